@@ -1,0 +1,1 @@
+"""In-tree backends. Each subpackage is a pluggy plugin registered by `infer.registry`."""

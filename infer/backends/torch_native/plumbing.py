@@ -1,0 +1,43 @@
+"""Tensor plumbing shared by every backend whose tensors are torch tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...primitives.backend import Backend
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class TorchPlumbing(Backend):
+    """asarray / to_numpy / KV-cache allocation for torch tensors on `self.device`.
+
+    Cache layout: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    per layer (K at index 0, V at 1), as vLLM's flash-attention backend.
+    """
+
+    def asarray(self, x: np.ndarray, dtype: str | None = None) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        if dtype is not None:
+            t = t.to(TORCH_DTYPES[dtype])
+        return t.to(self.device)
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        x = x.detach().cpu()
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.float()
+        return x.numpy()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> torch.Tensor:
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=self.device)
+
+    def kv_cache_to_numpy(self, kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
+        return self.to_numpy(kv_cache[0]), self.to_numpy(kv_cache[1])
+
+    def synchronize(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()

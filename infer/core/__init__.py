@@ -1,0 +1,1 @@
+"""Hardware-neutral core: never imports a backend, triton or torch_npu."""

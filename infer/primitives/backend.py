@@ -1,0 +1,130 @@
+"""What a backend is: the declarations the core reads and the plumbing it calls.
+
+A backend subclasses `Backend`, sets the class attributes, and implements each
+primitive it supports as a method named after it (see `spec.py` for the
+signatures). Primitives it does not implement, or declines through
+`supports(...)`, are served by the backend named in `fallback`, whose tensors
+must be the same type (``torch`` for any torch device). Nothing here is
+optional-by-monkey-patch: overrides are methods, found by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .spec import PRIMITIVES
+from .types import AttentionMetadata, SamplingTensors, Support, WeightHandle
+
+# Bumped when a hook, a primitive signature or a Backend member changes
+# incompatibly; a plugin built for another major version is reported
+# unavailable instead of being called with arguments it does not expect.
+PLUGIN_API_VERSION = 1
+
+
+class Backend(ABC):
+    """Base class of every backend, in-tree or third-party."""
+
+    # -- declarations -------------------------------------------------------
+    name: ClassVar[str] = ""
+    api_version: ClassVar[int] = PLUGIN_API_VERSION
+    description: ClassVar[str] = ""
+    # torch.distributed backend used for all_reduce/all_gather.
+    dist_backend: ClassVar[str] = "gloo"
+    preferred_block_size: ClassVar[int] = 16
+    # Human-readable layout of one layer's cache (see `kv_cache_shape`).
+    kv_cache_layout: ClassVar[str] = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
+    dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    weight_kinds: ClassVar[tuple[str, ...]] = ("dense",)
+    # Backend that serves what this one does not; None means it must do all.
+    fallback: ClassVar[str | None] = "torch"
+
+    def __init__(self, device: str | None = None):
+        self.device = device or self.default_device()
+
+    def default_device(self) -> str:
+        return "cpu"
+
+    @classmethod
+    def is_available(cls) -> Support:
+        """Whether this backend can run here; a reason (and the fix) when not."""
+        return Support(True)
+
+    def supports(self, primitive: str, **kw: Any) -> Support:
+        """Whether `primitive` runs here for the static properties in `kw`.
+
+        Keys the core may pass: ``dtype`` (a name from FLOAT_DTYPES),
+        ``weight_kind`` (linear), ``head_dim``, ``sliding_window`` (bool),
+        ``soft_cap`` (bool). Unknown keys must be ignored. The default
+        answer: implemented methods support the declared dtypes and weight kinds.
+        """
+        if primitive not in PRIMITIVES:
+            return Support(False, f"'{primitive}' is not a meta-primitive")
+        if not callable(getattr(self, primitive, None)):
+            return Support(False, f"backend '{self.name}' does not implement {primitive}")
+        dtype = kw.get("dtype")
+        if dtype is not None and dtype not in self.dtypes:
+            return Support(False, f"backend '{self.name}' supports dtypes {self.dtypes}, not {dtype}")
+        kind = kw.get("weight_kind")
+        if kind is not None and kind not in self.weight_kinds:
+            return Support(False, f"backend '{self.name}' supports weights {self.weight_kinds}, not {kind}")
+        return Support(True)
+
+    # -- tensor plumbing ------------------------------------------------------
+    @abstractmethod
+    def asarray(self, x: np.ndarray, dtype: str | None = None) -> Any:
+        """A host NumPy array as this backend's tensor on its device.
+
+        ``dtype`` is a contract dtype name; None keeps NumPy's dtype. For
+        'bfloat16' the float32 input is rounded to nearest-even.
+        """
+
+    @abstractmethod
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """This backend's tensor as a host NumPy array (bfloat16 widened to float32)."""
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> Any:
+        """One layer's zeroed KV cache."""
+
+    @abstractmethod
+    def kv_cache_to_numpy(self, kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) of one layer as float32 [num_blocks, block_size, Hk, D] each.
+
+        Lets the conformance suite compare caches across layouts.
+        """
+
+    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Move a step's host metadata (NumPy arrays) to the device, once per step.
+
+        A backend may also attach a plan to ``backend_data``.
+        """
+        return AttentionMetadata(
+            query_start_loc=self.asarray(meta.query_start_loc),
+            seq_lens=self.asarray(meta.seq_lens),
+            block_table=self.asarray(meta.block_table),
+            slot_mapping=self.asarray(meta.slot_mapping),
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            block_size=meta.block_size,
+        )
+
+    def prepare_sampling(self, params: SamplingTensors) -> SamplingTensors:
+        """Move a step's host sampling parameters (NumPy arrays) to the device."""
+        fields = {}
+        for name in SamplingTensors.__dataclass_fields__:
+            value = getattr(params, name)
+            fields[name] = self.asarray(value) if isinstance(value, np.ndarray) else value
+        return SamplingTensors(**fields)
+
+    def prepare_weight(self, weight: WeightHandle) -> WeightHandle:
+        """Re-layout a loaded weight once, at load time (default: as is)."""
+        return weight
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing); CPU backends need nothing."""

@@ -1,0 +1,37 @@
+"""pluggy hook specifications: how backends and model architectures join infer.
+
+A plugin is any module or object with ``@hookimpl`` functions. In-tree backends
+register through these hooks exactly like third-party ones; a third-party
+package exposes its plugin module under the entry-point group ``infer``::
+
+    [project.entry-points.infer]
+    mychip = "infer_mychip.plugin"
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "infer"
+ENTRY_POINT_GROUP = "infer"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class InferHookSpec:
+    @hookspec
+    def infer_register_backends(self) -> list[type]:
+        """Return `Backend` subclasses (classes, not instances).
+
+        Keep this hook cheap: import no device runtime here; a backend checks
+        for its runtime in `Backend.is_available`.
+        """
+
+    @hookspec
+    def infer_register_models(self) -> dict[str, object]:
+        """Return ``{architecture name: graph builder}``.
+
+        The architecture name is the one in a transformers ``config.json``
+        ``architectures`` list (e.g. ``"LlamaForCausalLM"``).
+        """

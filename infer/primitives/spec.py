@@ -1,0 +1,244 @@
+"""The ten meta-primitives (contract v1): signatures, semantics, argument checks.
+
+Every backend implements a primitive as a method of the same name and
+signature. ``T`` is the number of flattened tokens in a step, ``B`` the number
+of requests, ``H`` the hidden size, ``D`` the head dim. Float tensors are
+float32, float16 or bfloat16 (inputs share one dtype; results have it too
+unless stated). Reductions (norms, softmax, GEMM accumulation) happen in at
+least float32. The executable form of each semantic is in
+`infer.backends.cpu_ref`.
+
+embedding(ids, table) -> [T, H]
+    ids [T] int, table [V, H]: row gather, ``table[ids]``.
+
+rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
+    x [T, H], weight [H]. ``y = x / sqrt(mean(x**2) + eps) * weight``.
+    With residual [T, H]: first ``x = x + residual`` (rounded to x's dtype),
+    returns ``(rms_norm(x), x)`` so the sum becomes the next residual.
+
+linear(x, weight) -> [T, N]
+    x [T, K], weight a `WeightHandle` of shape [N, K]: ``x @ W.T + bias``.
+
+rotary(q, k, positions, cos_sin_cache, neox_style) -> (q, k)
+    q [T, Hq, D], k [T, Hk, D], positions [T] int, cos_sin_cache [P, R] float32
+    holding ``cos`` in its first R/2 columns and ``sin`` in the rest (R <= D,
+    even). Rotates the first R dims of every head by the angle of its position:
+    neox style pairs dim i with i + R/2, gptj style pairs 2i with 2i+1. Dims
+    past R are unchanged. A backend may update q and k in place; callers use
+    the returned pair.
+
+act_and_mul(x, kind) -> [T, I]
+    x [T, 2I]: ``act(x[:, :I]) * x[:, I:]`` with kind 'silu' (SwiGLU),
+    'gelu' (erf) or 'gelu_tanh'.
+
+kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None
+    k, v [T, Hk, D] into the paged cache of one layer, token t at slot
+    ``slot_mapping[t]`` (block ``slot // block_size``, offset
+    ``slot % block_size``); slots of -1 are skipped. ``scales`` (k_scale,
+    v_scale) is for quantized caches and is None for a cache in the model dtype.
+
+attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None) -> [T, Hq, D]
+    Causal paged attention over a mixed prefill/decode batch described by
+    `AttentionMetadata`, after this step's K/V went through `kv_write`. Query
+    head h reads KV head ``h // (Hq // Hk)`` (GQA/MQA). Scores are
+    ``scale * q.k``; with ``soft_cap`` c, ``c * tanh(score / c)``. A query at
+    position p sees key positions j with ``j <= p`` and, with a window W,
+    ``p - j < W``. Softmax in float32.
+
+moe(x, router_logits, w13, w2, top_k, renormalize) -> (out [T, H], tokens_per_expert [E])
+    x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate rows then up rows),
+    w2 [E, H, I]. Gating: float32 softmax over E, the top_k experts per token
+    (lowest expert id first on ties), weights renormalised to sum to 1 when
+    ``renormalize``. Each chosen expert e computes
+    ``(silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)) @ w2[e].T``; the output is
+    the gate-weighted sum. tokens_per_expert [E] int64 counts routed tokens.
+
+sample(logits, params) -> SampleOutput
+    logits [B, V] float32 with a `SamplingTensors` row per request; see
+    `SamplingTensors` for the exact order of penalties, filters and the seeded
+    Gumbel noise that makes a seed give the same token on every backend.
+
+all_reduce(x, group=None) -> x summed over the ranks of a torch.distributed group.
+all_gather(x, dim=0, group=None) -> the ranks' x concatenated along ``dim`` in rank order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .types import FLOAT_DTYPES, AttentionMetadata, SamplingTensors, WeightHandle, dtype_name
+
+PRIMITIVES: tuple[str, ...] = (
+    "embedding",
+    "rms_norm",
+    "linear",
+    "rotary",
+    "act_and_mul",
+    "kv_write",
+    "attention",
+    "moe",
+    "sample",
+    "all_reduce",
+    "all_gather",
+)
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+class PrimitiveArgumentError(ValueError):
+    """A primitive was called with an argument that breaks the contract."""
+
+    def __init__(self, primitive: str, argument: str, problem: str):
+        super().__init__(f"{primitive}: argument '{argument}' {problem}")
+        self.primitive = primitive
+        self.argument = argument
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_rank(prim: str, name: str, x: Any, rank: int, layout: str) -> tuple[int, ...]:
+    if not hasattr(x, "shape"):
+        raise PrimitiveArgumentError(prim, name, f"must be an array {layout}, got {type(x).__name__}")
+    shape = _shape(x)
+    if len(shape) != rank:
+        raise PrimitiveArgumentError(prim, name, f"must be {layout}, got shape {shape}")
+    return shape
+
+
+def _check_float(prim: str, name: str, x: Any) -> str:
+    dt = dtype_name(x)
+    if dt not in FLOAT_DTYPES:
+        raise PrimitiveArgumentError(prim, name, f"must be one of {FLOAT_DTYPES}, got {dt}")
+    return dt
+
+
+def _check_int(prim: str, name: str, x: Any) -> None:
+    dt = dtype_name(x)
+    if not dt.startswith(("int", "uint")):
+        raise PrimitiveArgumentError(prim, name, f"must be an integer array, got {dt}")
+
+
+def _check_same_dtype(prim: str, name: str, x: Any, ref_dtype: str) -> None:
+    if dtype_name(x) != ref_dtype:
+        raise PrimitiveArgumentError(prim, name, f"must have dtype {ref_dtype}, got {dtype_name(x)}")
+
+
+def check_embedding(ids, table) -> None:
+    _check_rank("embedding", "ids", ids, 1, "[T]")
+    _check_int("embedding", "ids", ids)
+    _check_rank("embedding", "table", table, 2, "[V, H]")
+    _check_float("embedding", "table", table)
+
+
+def check_rms_norm(x, weight, eps, residual=None) -> None:
+    t, h = _check_rank("rms_norm", "x", x, 2, "[T, H]")
+    dt = _check_float("rms_norm", "x", x)
+    if _check_rank("rms_norm", "weight", weight, 1, "[H]") != (h,):
+        raise PrimitiveArgumentError("rms_norm", "weight", f"must be [{h}], got {_shape(weight)}")
+    if not eps > 0:
+        raise PrimitiveArgumentError("rms_norm", "eps", f"must be > 0, got {eps}")
+    if residual is not None:
+        if _shape(residual) != (t, h):
+            raise PrimitiveArgumentError("rms_norm", "residual", f"must be [{t}, {h}] like x, got {_shape(residual)}")
+        _check_same_dtype("rms_norm", "residual", residual, dt)
+
+
+def check_linear(x, weight) -> None:
+    _, k = _check_rank("linear", "x", x, 2, "[T, K]")
+    _check_float("linear", "x", x)
+    if not isinstance(weight, WeightHandle):
+        raise PrimitiveArgumentError("linear", "weight", f"must be a WeightHandle (e.g. DenseWeight), got {type(weight).__name__}")
+    if weight.in_features != k:
+        raise PrimitiveArgumentError("linear", "weight", f"has in_features {weight.in_features} but x has K={k}")
+
+
+def check_rotary(q, k, positions, cos_sin_cache, neox_style) -> None:
+    t, _, d = _check_rank("rotary", "q", q, 3, "[T, Hq, D]")
+    dt = _check_float("rotary", "q", q)
+    tk, _, dk = _check_rank("rotary", "k", k, 3, "[T, Hk, D]")
+    if (tk, dk) != (t, d):
+        raise PrimitiveArgumentError("rotary", "k", f"must be [{t}, Hk, {d}] like q, got {_shape(k)}")
+    _check_same_dtype("rotary", "k", k, dt)
+    if _check_rank("rotary", "positions", positions, 1, "[T]") != (t,):
+        raise PrimitiveArgumentError("rotary", "positions", f"must be [{t}], got {_shape(positions)}")
+    _check_int("rotary", "positions", positions)
+    _, r = _check_rank("rotary", "cos_sin_cache", cos_sin_cache, 2, "[max_position, rot_dim]")
+    if r % 2 or r > d:
+        raise PrimitiveArgumentError("rotary", "cos_sin_cache", f"rot_dim {r} must be even and <= head_dim {d}")
+
+
+def check_act_and_mul(x, kind) -> None:
+    _, two_i = _check_rank("act_and_mul", "x", x, 2, "[T, 2I]")
+    _check_float("act_and_mul", "x", x)
+    if two_i % 2:
+        raise PrimitiveArgumentError("act_and_mul", "x", f"last dim must be even, got {two_i}")
+    if kind not in ACTIVATIONS:
+        raise PrimitiveArgumentError("act_and_mul", "kind", f"must be one of {ACTIVATIONS}, got {kind!r}")
+
+
+def check_kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
+    t, hk, d = _check_rank("kv_write", "k", k, 3, "[T, Hk, D]")
+    dt = _check_float("kv_write", "k", k)
+    if _shape(v) != (t, hk, d):
+        raise PrimitiveArgumentError("kv_write", "v", f"must be [{t}, {hk}, {d}] like k, got {_shape(v)}")
+    _check_same_dtype("kv_write", "v", v, dt)
+    if _check_rank("kv_write", "slot_mapping", slot_mapping, 1, "[T]") != (t,):
+        raise PrimitiveArgumentError("kv_write", "slot_mapping", f"must be [{t}], got {_shape(slot_mapping)}")
+    _check_int("kv_write", "slot_mapping", slot_mapping)
+
+
+def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None) -> None:
+    t, _, _ = _check_rank("attention", "q", q, 3, "[T, Hq, D]")
+    _check_float("attention", "q", q)
+    if not isinstance(meta, AttentionMetadata):
+        raise PrimitiveArgumentError("attention", "meta", f"must be AttentionMetadata, got {type(meta).__name__}")
+    if meta.num_tokens != t:
+        raise PrimitiveArgumentError("attention", "meta", f"describes {meta.num_tokens} tokens but q has {t}")
+    if sliding_window is not None and sliding_window < 1:
+        raise PrimitiveArgumentError("attention", "sliding_window", f"must be >= 1 or None, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise PrimitiveArgumentError("attention", "soft_cap", f"must be > 0 or None, got {soft_cap}")
+
+
+def check_moe(x, router_logits, w13, w2, top_k, renormalize) -> None:
+    t, h = _check_rank("moe", "x", x, 2, "[T, H]")
+    dt = _check_float("moe", "x", x)
+    tr, e = _check_rank("moe", "router_logits", router_logits, 2, "[T, E]")
+    if tr != t:
+        raise PrimitiveArgumentError("moe", "router_logits", f"must have {t} rows like x, got {tr}")
+    e13, two_i, h13 = _check_rank("moe", "w13", w13, 3, "[E, 2I, H]")
+    if e13 != e or h13 != h or two_i % 2:
+        raise PrimitiveArgumentError("moe", "w13", f"must be [{e}, 2I, {h}], got {_shape(w13)}")
+    _check_same_dtype("moe", "w13", w13, dt)
+    if _check_rank("moe", "w2", w2, 3, "[E, H, I]") != (e, h, two_i // 2):
+        raise PrimitiveArgumentError("moe", "w2", f"must be [{e}, {h}, {two_i // 2}], got {_shape(w2)}")
+    _check_same_dtype("moe", "w2", w2, dt)
+    if not 1 <= top_k <= e:
+        raise PrimitiveArgumentError("moe", "top_k", f"must be in [1, {e}], got {top_k}")
+
+
+def check_sample(logits, params) -> None:
+    b, _ = _check_rank("sample", "logits", logits, 2, "[B, V]")
+    if dtype_name(logits) != "float32":
+        raise PrimitiveArgumentError("sample", "logits", f"must be float32, got {dtype_name(logits)}")
+    if not isinstance(params, SamplingTensors):
+        raise PrimitiveArgumentError("sample", "params", f"must be SamplingTensors, got {type(params).__name__}")
+    if params.num_seqs != b:
+        raise PrimitiveArgumentError("sample", "params", f"has {params.num_seqs} rows but logits has {b}")
+
+
+def check_all_reduce(x, group=None) -> None:
+    if not hasattr(x, "shape"):
+        raise PrimitiveArgumentError("all_reduce", "x", f"must be an array, got {type(x).__name__}")
+
+
+def check_all_gather(x, dim=0, group=None) -> None:
+    if not hasattr(x, "shape"):
+        raise PrimitiveArgumentError("all_gather", "x", f"must be an array, got {type(x).__name__}")
+    if not -len(x.shape) <= dim < len(x.shape):
+        raise PrimitiveArgumentError("all_gather", "dim", f"must index one of x's {len(x.shape)} dims, got {dim}")
+
+
+CHECKS: dict[str, Callable[..., None]] = {name: globals()[f"check_{name}"] for name in PRIMITIVES}

@@ -1,0 +1,220 @@
+"""Plain records that cross the core/backend boundary.
+
+Arrays in these records are of the owning backend's tensor type (NumPy arrays
+for `cpu_ref`, torch tensors for `torch`, ...). The core builds them on the host
+as NumPy arrays and hands them to `Backend.prepare_metadata` /
+`Backend.prepare_sampling`, which move them to the device once per step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# Dtype names used everywhere in the contract. NumPy has no bfloat16, so the
+# contract names dtypes by string and each backend maps them to its own types.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def dtype_name(x: Any) -> str:
+    """Backend-neutral name of an array's dtype ('float32', 'int64', ...)."""
+    name = str(x.dtype)
+    return name.removeprefix("torch.")
+
+
+@dataclass(slots=True)
+class Support:
+    """Answer to `Backend.supports(...)`: truthy when supported, else a reason."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention metadata, built once per step and shared by every layer.
+
+    The batch is B requests whose scheduled tokens are flattened into T rows.
+    Request b owns rows ``query_start_loc[b] : query_start_loc[b+1]``;
+    ``q_len[b]`` is that difference. Its context after this step holds
+    ``seq_lens[b]`` tokens (cached ones plus this step's), so its i-th query row
+    sits at position ``seq_lens[b] - q_len[b] + i`` and attends to every cached
+    position ``<=`` its own (within ``sliding_window`` when one is set).
+
+    Fields (vLLM's names):
+      query_start_loc  [B+1] int32, cumulative query lengths, starts at 0.
+      seq_lens         [B]   int32, context length including this step's tokens.
+      block_table      [B, max_blocks] int32, physical block ids of each request's
+                       context in order; entries past a request's last block are
+                       ignored (pad with 0).
+      slot_mapping     [T]   int64, ``block_id * block_size + offset`` where each
+                       new token's K/V is written; -1 marks a padded row to skip.
+      max_query_len    int, max of q_len (0 for an empty batch).
+      max_seq_len      int, max of seq_lens (0 for an empty batch).
+      block_size       int, tokens per KV block.
+      backend_data     anything a backend attaches in `prepare_metadata`
+                       (a tile plan, device copies, ...); the core never reads it.
+    """
+
+    query_start_loc: Any
+    seq_lens: Any
+    block_table: Any
+    slot_mapping: Any
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    backend_data: Any = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-request sampling parameters of one step, one row per request.
+
+    Order of processing (every backend must follow it):
+      1. logprobs are taken from the raw logits (log_softmax in float32), before
+         anything below, as vLLM does by default.
+      2. penalties on the raw logits: repetition (tokens seen in prompt or output:
+         positive logits divided by r, negative multiplied by r), then
+         frequency (minus f * count in output) and presence (minus p if seen in
+         output); then ``logit_bias`` is added.
+      3. greedy rows (temperature == 0) take the argmax (lowest id on ties).
+      4. other rows: divide by temperature; min_p keeps tokens with
+         prob >= min_p * max prob; top_k keeps the k largest logits (ties at the
+         k-th value are all kept); top_p keeps, in descending prob order, each
+         token whose preceding cumulative prob is < top_p (so at least one).
+         Each filter sees the renormalised result of the one before.
+      5. the token is argmax(filtered_logits + gumbel) where the Gumbel noise is
+         the counter-based function of (seed, step, token id) defined by
+         `infer.backends.cpu_ref.sampling.gumbel_noise`; the same seed and step
+         give the same token on every backend, whatever else is in the batch.
+
+    Fields:
+      temperature        [B] float32, 0 means greedy.
+      top_k              [B] int32, <= 0 disables.
+      top_p              [B] float32, 1.0 disables.
+      min_p              [B] float32, 0.0 disables.
+      seeds              [B] int64, per-request seed (the core draws one when the
+                         user gives none).
+      steps              [B] int64, output tokens the request generated so far.
+      presence_penalty   [B] float32, 0 disables.
+      frequency_penalty  [B] float32, 0 disables.
+      repetition_penalty [B] float32, 1.0 disables.
+      prompt_token_ids   [B, Lp] int64 padded with -1, or None when no row uses
+                         a repetition penalty.
+      output_token_ids   [B, Lo] int64 padded with -1, or None when no row uses
+                         a penalty.
+      logit_bias_ids     [B, Lb] int64 padded with -1, or None.
+      logit_bias_values  [B, Lb] float32 (-inf bans a token), or None.
+      max_num_logprobs   int, how many top logprobs to return per row (0: none).
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    seeds: Any
+    steps: Any
+    presence_penalty: Any
+    frequency_penalty: Any
+    repetition_penalty: Any
+    prompt_token_ids: Any = None
+    output_token_ids: Any = None
+    logit_bias_ids: Any = None
+    logit_bias_values: Any = None
+    max_num_logprobs: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.temperature.shape[0])
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """Result of `sample`: arrays of the backend's type.
+
+      token_ids      [B] int64, the sampled tokens.
+      logprobs       [B] float32, raw logprob of each sampled token.
+      top_token_ids  [B, K] int64 with K = max_num_logprobs (descending logprob,
+                     lowest id first on ties), or None when K == 0.
+      top_logprobs   [B, K] float32, or None.
+    """
+
+    token_ids: Any
+    logprobs: Any
+    top_token_ids: Any = None
+    top_logprobs: Any = None
+
+
+class WeightHandle(ABC):
+    """A typed handle to a linear layer's weight.
+
+    `kind` names the storage format; `linear` dispatches on it and a backend
+    declares which kinds it supports through ``supports("linear", weight_kind=...)``.
+    v1 defines ``dense``; quantized kinds (int4 group-quantized as in AWQ/GPTQ/
+    GGUF Q4, fp8 with per-channel scales) are further subclasses with their own
+    fields and the same two properties.
+    """
+
+    kind: ClassVar[str] = ""
+
+    @property
+    @abstractmethod
+    def out_features(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def in_features(self) -> int: ...
+
+
+@dataclass(slots=True)
+class DenseWeight(WeightHandle):
+    """A dense weight ``[N, K]`` (out_features, in_features) and optional bias ``[N]``.
+
+    ``prepared`` is a backend's private re-layout of ``weight`` (made once by
+    `Backend.prepare_weight`, e.g. a transposed copy); the core never reads it.
+    """
+
+    kind: ClassVar[str] = "dense"
+    weight: Any
+    bias: Any = None
+    prepared: Any = field(default=None, repr=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+
+def round_to_dtype(x, dtype: str):
+    """Float32 NumPy copy of `x` with values rounded to `dtype` (nearest-even).
+
+    NumPy has no bfloat16; this is how host code and `cpu_ref` represent
+    fp16/bf16 values exactly in float32 storage.
+    """
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float32":
+        return x.copy()
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32)
+    raise ValueError(f"unknown float dtype {dtype!r}; expected one of {FLOAT_DTYPES}")

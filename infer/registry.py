@@ -1,0 +1,190 @@
+"""The plugin registry: finds backends and architectures through pluggy, and
+resolves each primitive of a chosen backend to an implementation (its own or its
+declared fallback's)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pluggy
+
+from .primitives.backend import PLUGIN_API_VERSION, Backend
+from .primitives.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, InferHookSpec
+from .primitives.spec import CHECKS, PRIMITIVES
+from .primitives.types import Support
+
+# In-tree plugins register through the same hooks as third-party ones.
+BUILTIN_PLUGINS = (
+    "infer.backends.cpu_ref",
+    "infer.backends.torch_native",
+    "infer.backends.cuda",
+    "infer.backends.ascend",
+)
+# `--backend auto` takes the first available of these.
+AUTO_ORDER = ("cuda", "ascend", "torch")
+
+
+class BackendUnavailableError(RuntimeError):
+    pass
+
+
+@dataclass
+class BackendInfo:
+    name: str
+    cls: type[Backend] | None
+    plugin: str
+    available: Support
+    description: str = ""
+
+
+@dataclass
+class Registry:
+    pm: pluggy.PluginManager
+    backends: dict[str, BackendInfo] = field(default_factory=dict)
+    models: dict[str, Any] = field(default_factory=dict)
+    # Plugins that failed to load: name -> reason. Reported, never fatal.
+    broken: dict[str, str] = field(default_factory=dict)
+
+
+def _plugin_label(pm: pluggy.PluginManager, plugin: object) -> str:
+    return pm.get_name(plugin) or getattr(plugin, "__name__", repr(plugin))
+
+
+def _availability(cls: type[Backend]) -> Support:
+    if getattr(cls, "api_version", None) != PLUGIN_API_VERSION:
+        return Support(False, f"built for plugin API v{getattr(cls, 'api_version', '?')}, infer speaks v{PLUGIN_API_VERSION}")
+    try:
+        return cls.is_available()
+    except Exception as exc:  # a plugin's probe must not take the registry down
+        return Support(False, f"is_available() raised {type(exc).__name__}: {exc}")
+
+
+def build_registry(entry_points: bool = True) -> Registry:
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(InferHookSpec)
+    reg = Registry(pm)
+    for modname in BUILTIN_PLUGINS:
+        pm.register(importlib.import_module(modname), name=modname)
+    if entry_points:
+        _load_entry_points(reg)
+    for plugin, classes in _per_plugin(pm, "infer_register_backends"):
+        for cls in classes or ():
+            label = _plugin_label(pm, plugin)
+            if not (isinstance(cls, type) and issubclass(cls, Backend) and cls.name):
+                reg.broken[label] = f"registered {cls!r}, which is not a named Backend subclass"
+                continue
+            if cls.name in reg.backends:
+                reg.broken[label] = f"backend name '{cls.name}' already registered by {reg.backends[cls.name].plugin}"
+                continue
+            reg.backends[cls.name] = BackendInfo(cls.name, cls, label, _availability(cls), cls.description)
+    for _, models in _per_plugin(pm, "infer_register_models"):
+        reg.models.update(models or {})
+    return reg
+
+
+def _per_plugin(pm: pluggy.PluginManager, hook_name: str):
+    """Call a hook plugin by plugin so a result can be traced to its plugin."""
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
+        yield impl.plugin, impl.function()
+
+
+def _load_entry_points(reg: Registry) -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if reg.pm.get_plugin(ep.name) is not None:
+            continue
+        try:
+            reg.pm.register(ep.load(), name=ep.name)
+        except Exception as exc:
+            reg.broken[ep.name] = f"entry point {ep.value} failed to load: {type(exc).__name__}: {exc}"
+
+
+@functools.lru_cache(maxsize=1)
+def registry() -> Registry:
+    """The process-wide registry (the only global state in infer)."""
+    return build_registry()
+
+
+def get_backend(name: str = "auto", device: str | None = None) -> Backend:
+    """An instance of backend `name` ('auto': cuda, then ascend, then torch)."""
+    reg = registry()
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            info = reg.backends.get(candidate)
+            if info and info.available:
+                return info.cls(device=device)
+        raise BackendUnavailableError("no backend available for 'auto'; run `infer backends` to see why")
+    info = reg.backends.get(name)
+    if info is None:
+        known = ", ".join(sorted(reg.backends)) or "none"
+        raise BackendUnavailableError(f"unknown backend '{name}' (known: {known}); run `infer backends`")
+    if not info.available:
+        raise BackendUnavailableError(f"backend '{name}' unavailable: {info.available.reason}")
+    return info.cls(device=device)
+
+
+class Ops:
+    """The primitives of one backend, each resolved to an implementation.
+
+    ``ops.attention(...)`` calls the backend's own attention if it supports it,
+    else its fallback's. `resolve` answers for specific static properties
+    (dtype, weight kind, ...), which is how lowering asks once per node instead
+    of once per call.
+    """
+
+    def __init__(self, backend: Backend, validate: bool = True):
+        self.backend = backend
+        self.validate = validate
+        self._chain = [backend]
+        seen = {backend.name}
+        while (next_name := self._chain[-1].fallback) is not None and next_name not in seen:
+            seen.add(next_name)
+            self._chain.append(get_backend(next_name, device=backend.device))
+        self._cache: dict[tuple, tuple[Callable, str]] = {}
+        for prim in PRIMITIVES:
+            try:
+                fn, _ = self.resolve(prim)
+            except BackendUnavailableError:
+                continue  # reported by `coverage`; calling it raises AttributeError
+            setattr(self, prim, fn)
+
+    def resolve(self, primitive: str, **kw: Any) -> tuple[Callable, str]:
+        """(implementation, name of the backend providing it) for `primitive`."""
+        key = (primitive, tuple(sorted(kw.items())))
+        if key not in self._cache:
+            reasons = []
+            for b in self._chain:
+                ok = b.supports(primitive, **kw)
+                if ok:
+                    fn = getattr(b, primitive)
+                    self._cache[key] = (_checked(primitive, fn) if self.validate else fn, b.name)
+                    break
+                reasons.append(ok.reason)
+            else:
+                raise BackendUnavailableError(f"{primitive} unsupported: " + "; ".join(reasons))
+        return self._cache[key]
+
+    def coverage(self, **kw: Any) -> dict[str, str]:
+        """primitive -> provider name, or 'missing: reason'."""
+        out = {}
+        for prim in PRIMITIVES:
+            try:
+                out[prim] = self.resolve(prim, **kw)[1]
+            except BackendUnavailableError as exc:
+                out[prim] = f"missing: {exc}"
+        return out
+
+
+def _checked(primitive: str, fn: Callable) -> Callable:
+    check = CHECKS[primitive]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        check(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
