@@ -1,0 +1,58 @@
+"""Paged KV cache write and paged attention, one request at a time.
+
+Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...primitives.types import AttentionMetadata
+
+
+def kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
+    block_size = kv_cache.shape[2]
+    for t, slot in enumerate(slot_mapping):
+        if slot < 0:  # padded row: nothing to store
+            continue
+        block, offset = divmod(int(slot), block_size)
+        kv_cache[0, block, offset] = k[t]
+        kv_cache[1, block, offset] = v[t]
+
+
+def gather_context(kv_cache, block_ids, seq_len):
+    """K and V of one request's first `seq_len` positions: [seq_len, Hk, D] each."""
+    _, _, block_size, hk, d = kv_cache.shape
+    k = kv_cache[0, block_ids].reshape(-1, hk, d)[:seq_len]
+    v = kv_cache[1, block_ids].reshape(-1, hk, d)[:seq_len]
+    return k.astype(np.float64), v.astype(np.float64)
+
+
+def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, soft_cap=None):
+    t, hq, d = q.shape
+    hk = kv_cache.shape[3]
+    group = hq // hk
+    out = np.zeros((t, hq, d), dtype=np.float32)
+    for b in range(meta.num_seqs):
+        start, end = int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1])
+        seq_len, q_len = int(meta.seq_lens[b]), end - start
+        if q_len == 0:
+            continue
+        n_blocks = -(-seq_len // meta.block_size)
+        k, v = gather_context(kv_cache, meta.block_table[b, :n_blocks], seq_len)
+        # Query head h reads KV head h // group.
+        k = np.repeat(k, group, axis=1)
+        v = np.repeat(v, group, axis=1)
+        q_pos = np.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = np.arange(seq_len)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= q_pos - k_pos < sliding_window
+        scores = np.einsum("qhd,khd->hqk", q[start:end].astype(np.float64), k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * np.tanh(scores / soft_cap)
+        scores = np.where(allowed[None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("hqk,khd->qhd", probs, v)
+    return out
