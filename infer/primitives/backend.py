@@ -72,6 +72,17 @@ class Backend(ABC):
             return Support(False, f"backend '{self.name}' supports weights {self.weight_kinds}, not {kind}")
         return Support(True)
 
+    def fuses(self, node_op: str, **attrs: Any) -> Support:
+        """Whether this backend runs a whole graph node (e.g. 'attention_block') itself.
+
+        Lowering asks this before expanding a node into primitives; a backend
+        says yes by defining a method named ``fused_<node_op>``, whose
+        signature the node kind defines (see `infer.core.graph`).
+        """
+        if callable(getattr(self, f"fused_{node_op}", None)):
+            return Support(True)
+        return Support(False, f"backend '{self.name}' has no fused {node_op}")
+
     # -- tensor plumbing ------------------------------------------------------
     @abstractmethod
     def asarray(self, x: np.ndarray, dtype: str | None = None) -> Any:
@@ -98,6 +109,15 @@ class Backend(ABC):
 
         Lets the conformance suite compare caches across layouts.
         """
+
+    def copy_blocks(self, kv_cache: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy whole KV blocks ``src[i] -> dst[i]`` in one layer (copy-on-write).
+
+        The default fits the default layout (block axis 1); a backend with
+        another layout overrides it.
+        """
+        if len(src):
+            kv_cache[:, self.asarray(np.asarray(dst))] = kv_cache[:, self.asarray(np.asarray(src))]
 
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Move a step's host metadata (NumPy arrays) to the device, once per step.
