@@ -22,6 +22,7 @@ BUILTIN_PLUGINS = (
     "infer.backends.torch_native",
     "infer.backends.cuda",
     "infer.backends.ascend",
+    "infer.core.models",
 )
 # `--backend auto` takes the first available of these.
 AUTO_ORDER = ("cuda", "ascend", "torch")

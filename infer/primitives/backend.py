@@ -93,6 +93,10 @@ class Backend(ABC):
         """
 
     @abstractmethod
+    def cast(self, x: Any, dtype: str) -> Any:
+        """`x` converted to the float dtype named `dtype` (e.g. logits to float32)."""
+
+    @abstractmethod
     def to_numpy(self, x: Any) -> np.ndarray:
         """This backend's tensor as a host NumPy array (bfloat16 widened to float32)."""
 

@@ -29,6 +29,9 @@ class CpuRefBackend(Backend):
             return round_to_dtype(x, dtype)
         return np.array(x)
 
+    def cast(self, x: np.ndarray, dtype: str) -> np.ndarray:
+        return round_to_dtype(x, dtype)
+
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x)
 

@@ -25,6 +25,9 @@ class TorchPlumbing(Backend):
             t = t.to(TORCH_DTYPES[dtype])
         return t.to(self.device)
 
+    def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(TORCH_DTYPES[dtype])
+
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
         x = x.detach().cpu()
         if x.dtype in (torch.bfloat16, torch.float16):

@@ -1,0 +1,108 @@
+"""The model graph: high-level nodes over named values and parameters.
+
+Architectures build a `Graph` from a transformers config (see `core/models/`);
+`core/lowering.py` expands each node into meta-primitive calls. The graph is
+shaped for later parallelism without touching the builders:
+
+- every parameter says how it shards across tensor-parallel ranks (`shard`:
+  column, row, vocab or replicated, and for fused projections the `parts` that
+  are sharded separately, e.g. q/k/v inside qkv);
+- every node of a decoder layer carries its `layer` index, so pipeline stages
+  are contiguous layer ranges (`Graph.stage`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Node kinds and the parameters (roles) each takes.
+NODE_KINDS: dict[str, tuple[str, ...]] = {
+    "embedding": ("table",),
+    "rms_norm": ("weight",),  # residual-fused when it has two inputs
+    "attention": ("qkv_proj", "qkv_bias", "o_proj", "o_bias", "q_norm", "k_norm"),  # all but projections optional
+    "mlp": ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"),
+    "moe": ("router", "w13", "w2"),
+    "lm_head": ("weight",),
+}
+
+SHARDS = ("replicated", "column", "row", "vocab")
+
+
+@dataclass(slots=True)
+class Param:
+    """A weight the graph needs, and where it comes from in a checkpoint.
+
+    ``sources`` are checkpoint tensor names concatenated along dim 0 (q, k, v
+    into one qkv projection); ``parts`` are the row counts of those pieces, so
+    a column shard takes the same fraction of each.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    sources: tuple[str, ...]
+    shard: str = "replicated"
+    parts: tuple[int, ...] = ()
+    optional: bool = False
+
+    def __post_init__(self):
+        if self.shard not in SHARDS:
+            raise ValueError(f"param {self.name}: shard must be one of {SHARDS}, got {self.shard!r}")
+
+
+@dataclass(slots=True)
+class Node:
+    op: str
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: dict[str, str] = field(default_factory=dict)  # role -> Param name
+    attrs: dict[str, Any] = field(default_factory=dict)
+    layer: int | None = None
+
+    def __post_init__(self):
+        if self.op not in NODE_KINDS:
+            raise ValueError(f"node {self.name}: unknown op {self.op!r} (known: {', '.join(NODE_KINDS)})")
+        unknown = set(self.params) - set(NODE_KINDS[self.op])
+        if unknown:
+            raise ValueError(f"node {self.name}: {self.op} takes no params {sorted(unknown)}")
+
+
+@dataclass
+class Graph:
+    """Nodes in execution order. Inputs: ``input_ids`` [T], ``positions`` [T];
+    the output is ``logits`` [S, vocab] for the S rows that are sampled."""
+
+    architecture: str
+    config: Any  # the normalised ModelConfig of core/models
+    nodes: list[Node] = field(default_factory=list)
+    params: dict[str, Param] = field(default_factory=dict)
+    num_layers: int = 0
+
+    def param(self, name: str, shape: tuple[int, ...], sources: tuple[str, ...] | str, **kw: Any) -> str:
+        if isinstance(sources, str):
+            sources = (sources,)
+        self.params[name] = Param(name, tuple(int(s) for s in shape), tuple(sources), **kw)
+        return name
+
+    def add(self, op: str, name: str, inputs, outputs, params=None, layer=None, **attrs) -> Node:
+        node = Node(op, name, tuple(inputs), tuple(outputs), dict(params or {}), attrs, layer)
+        self.nodes.append(node)
+        return node
+
+    def stage(self, first_layer: int, end_layer: int) -> Graph:
+        """The nodes of layers [first_layer, end_layer), plus the embedding when
+        the stage starts at 0 and the head when it ends at num_layers: a
+        pipeline-parallel stage."""
+        if not 0 <= first_layer < end_layer <= self.num_layers:
+            raise ValueError(f"stage [{first_layer}, {end_layer}) outside 0..{self.num_layers}")
+
+        def keep(n: Node) -> bool:
+            if n.layer is not None:
+                return first_layer <= n.layer < end_layer
+            return (n.op == "embedding" and first_layer == 0) or (n.op != "embedding" and end_layer == self.num_layers)
+
+        nodes = [n for n in self.nodes if keep(n)]
+        used = {p for n in nodes for p in n.params.values()}
+        params = {k: v for k, v in self.params.items() if k in used}
+        return Graph(self.architecture, self.config, nodes, params, self.num_layers)

@@ -1,0 +1,146 @@
+"""Lowering: graph nodes -> a flat program of meta-primitive calls.
+
+Each node expands into primitives unless the backend says it runs the whole
+node itself (`Backend.fuses`), in which case one ``fused_<op>`` call stands
+for it. Besides the primitives, the program uses three view ops every tensor
+type has (``split`` columns, ``reshape``, ``rows`` = integer row gather); they
+move no arithmetic and map to ONNX's Split/Reshape/Gather on export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .graph import Graph, Node
+
+VIEW_OPS = ("split", "reshape", "rows")
+
+
+@dataclass(slots=True)
+class Call:
+    primitive: str  # a meta-primitive, a view op, or "fused_<node op>"
+    node: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: dict[str, str] = field(default_factory=dict)  # role -> graph Param name
+    attrs: dict[str, Any] = field(default_factory=dict)
+    shapes: tuple[tuple, ...] = ()  # symbolic output shapes ("T" = flattened tokens)
+    layer: int | None = None
+
+
+@dataclass
+class Program:
+    graph: Graph
+    calls: list[Call]
+
+    def format(self) -> str:
+        """The program as text: one call per line, with output shapes."""
+        lines = [f"# {self.graph.architecture}: {len(self.calls)} calls, {self.graph.num_layers} layers"]
+        for c in self.calls:
+            outs = ", ".join(f"%{o}: [{', '.join(map(str, s))}]" for o, s in zip(c.outputs, c.shapes))
+            args = [f"%{i}" for i in c.inputs]
+            args += [f"{role}={name}{list(self.graph.params[name].shape)}" for role, name in c.params.items()]
+            args += [f"{k}={v}" for k, v in c.attrs.items() if v is not None]
+            lines.append(f"{outs} = {c.primitive}({', '.join(args)})")
+        return "\n".join(lines)
+
+
+def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
+    """Expand `graph`; `fuses(op, attrs)` says whether the backend runs a node whole."""
+    calls: list[Call] = []
+    for node in graph.nodes:
+        if fuses(node.op, node.attrs):
+            shape = _node_output_shape(graph, node)
+            calls.append(Call(f"fused_{node.op}", node.name, node.inputs, node.outputs, node.params, node.attrs,
+                              (shape,) * len(node.outputs), node.layer))
+        elif node.op in _EXPANSIONS:
+            calls.extend(_EXPANSIONS[node.op](graph, node))
+        else:
+            raise ValueError(f"node {node.name}: no lowering for {node.op!r} and the backend does not fuse it")
+    return Program(graph, calls)
+
+
+def _node_output_shape(graph: Graph, node: Node) -> tuple:
+    cfg = graph.config
+    return ("S", cfg.vocab_size) if node.op == "lm_head" else ("T", cfg.hidden_size)
+
+
+def _embedding(g: Graph, n: Node) -> list[Call]:
+    return [Call("embedding", n.name, n.inputs, n.outputs, n.params, {}, (("T", g.config.hidden_size),), n.layer)]
+
+
+def _rms_norm(g: Graph, n: Node) -> list[Call]:
+    shape = ("T", g.params[n.params["weight"]].shape[0])
+    return [Call("rms_norm", n.name, n.inputs, n.outputs, n.params, {"eps": n.attrs["eps"]},
+                 (shape,) * len(n.outputs), n.layer)]
+
+
+def _attention(g: Graph, n: Node) -> list[Call]:
+    a, p, name, L = n.attrs, n.params, n.name, n.layer
+    hq, hk, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    x, positions = n.inputs
+    v = f"{name}."  # value-name prefix keeps each layer's temporaries apart
+    calls = [
+        Call("linear", name, (x,), (v + "qkv",), _pick(p, weight="qkv_proj", bias="qkv_bias"), {},
+             (("T", (hq + 2 * hk) * d),), L),
+        Call("split", name, (v + "qkv",), (v + "q", v + "k", v + "v"), {}, {"sizes": (hq * d, hk * d, hk * d)},
+             (("T", hq * d), ("T", hk * d), ("T", hk * d)), L),
+    ]
+    for t, heads in (("q", hq), ("k", hk), ("v", hk)):
+        calls.append(Call("reshape", name, (v + t,), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L))
+    if "q_norm" in p:
+        # Qwen3 normalises each head's q and k over head_dim before rotary.
+        for t, heads in (("q", hq), ("k", hk)):
+            calls += [
+                Call("reshape", name, (v + t + "3",), (v + t + "2",), {}, {"shape": (-1, d)}, ((f"T*{heads}", d),), L),
+                Call("rms_norm", name, (v + t + "2",), (v + t + "n",), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
+                     ((f"T*{heads}", d),), L),
+                Call("reshape", name, (v + t + "n",), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L),
+            ]
+    calls += [
+        Call("rotary", name, (v + "q3", v + "k3", positions), (v + "q3", v + "k3"), {},
+             {"rotary_dim": a["rotary_dim"], "neox_style": a["neox_style"]}, (("T", hq, d), ("T", hk, d)), L),
+        Call("kv_write", name, (v + "k3", v + "v3"), (), {}, {}, (), L),
+        Call("attention", name, (v + "q3",), (v + "o3",), {},
+             {"scale": a["scale"], "sliding_window": a["sliding_window"], "soft_cap": a["soft_cap"]}, (("T", hq, d),), L),
+        Call("reshape", name, (v + "o3",), (v + "o",), {}, {"shape": (-1, hq * d)}, (("T", hq * d),), L),
+        Call("linear", name, (v + "o",), n.outputs, _pick(p, weight="o_proj", bias="o_bias"), {},
+             (("T", g.config.hidden_size),), L),
+    ]
+    return calls
+
+
+def _mlp(g: Graph, n: Node) -> list[Call]:
+    p, name, L = n.params, n.name, n.layer
+    inter = g.params[p["down_proj"]].shape[1]
+    return [
+        Call("linear", name, n.inputs, (name + ".gate_up",), _pick(p, weight="gate_up_proj", bias="gate_up_bias"), {},
+             (("T", 2 * inter),), L),
+        Call("act_and_mul", name, (name + ".gate_up",), (name + ".act",), {}, {"kind": n.attrs["act"]}, (("T", inter),), L),
+        Call("linear", name, (name + ".act",), n.outputs, _pick(p, weight="down_proj", bias="down_bias"), {},
+             (("T", g.config.hidden_size),), L),
+    ]
+
+
+def _lm_head(g: Graph, n: Node) -> list[Call]:
+    x, rows = n.inputs
+    return [
+        # Only the rows that sample a token reach the (large) vocabulary GEMM.
+        Call("rows", n.name, (x, rows), (n.name + ".x",), {}, {}, (("S", g.config.hidden_size),), n.layer),
+        Call("linear", n.name, (n.name + ".x",), n.outputs, {"weight": n.params["weight"]}, {},
+             (("S", g.config.vocab_size),), n.layer),
+    ]
+
+
+def _pick(params: dict[str, str], **roles: str) -> dict[str, str]:
+    return {k: params[r] for k, r in roles.items() if r in params}
+
+
+_EXPANSIONS = {
+    "embedding": _embedding,
+    "rms_norm": _rms_norm,
+    "attention": _attention,
+    "mlp": _mlp,
+    "lm_head": _lm_head,
+}

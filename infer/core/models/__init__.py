@@ -1,0 +1,9 @@
+"""Architectures as graph builders, registered through the `infer_register_models` hook."""
+
+from ...primitives.hookspecs import hookimpl
+from .llama import ARCHITECTURES, build_llama
+
+
+@hookimpl
+def infer_register_models():
+    return {arch: build_llama for arch in ARCHITECTURES}

@@ -1,0 +1,76 @@
+"""Rotary position embedding tables (the `cos_sin_cache` of `rotary`).
+
+Reads both config styles: transformers 5's ``rope_parameters`` dict and the
+older ``rope_theta`` + ``rope_scaling`` pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: dict) -> dict:
+    """The config's rope settings as one dict with a ``rope_type`` key."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    params["rope_type"] = rope_type
+    return params
+
+
+def inv_frequencies(params: dict, rotary_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [rotary_dim / 2], attention scaling factor)."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    kind = params["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, params, max_position_embeddings), 1.0
+    if kind == "yarn":
+        return _yarn(inv_freq, params, rotary_dim, base, max_position_embeddings)
+    return inv_freq, 1.0
+
+
+def _llama3(inv_freq: np.ndarray, p: dict, max_pos: int) -> np.ndarray:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and
+    # the band between is interpolated smoothly.
+    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p.get("original_max_position_embeddings", max_pos))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return np.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def _yarn(inv_freq, p, dim, base, max_pos):
+    factor = float(p["factor"])
+    old_len = float(p.get("original_max_position_embeddings") or max_pos)
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+    attention_factor = p.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / max(high - low, 1e-3), 0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
+
+
+def cos_sin_cache(config: dict, rotary_dim: int, max_positions: int) -> np.ndarray:
+    """[max_positions, rotary_dim] float32: cos in the first half, sin in the second."""
+    params = rope_parameters(config)
+    inv_freq, scale = inv_frequencies(params, rotary_dim, int(config.get("max_position_embeddings", max_positions)))
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    return np.concatenate([np.cos(angles) * scale, np.sin(angles) * scale], axis=1).astype(np.float32)
