@@ -1,0 +1,27 @@
+"""Which architectures the loader accepts: the one place that decides.
+
+The engine may pass the names its plugin registry knows (`infer_register_models`)
+as `supported`; without it, the built-in Llama family is assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..models.llama import ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from .errors import UnsupportedArchitectureError
+
+
+def check_architecture(config: dict, source: Path | str, supported: Iterable[str] | None = None) -> str:
+    """The config's architecture name, or an error listing the supported ones."""
+    allowed = tuple(supported) if supported is not None else SUPPORTED_ARCHITECTURES
+    names = config.get("architectures") or []
+    for name in names:
+        if name in allowed:
+            return name
+    found = ", ".join(names) if names else f"none (model_type {config.get('model_type')!r})"
+    raise UnsupportedArchitectureError(
+        f"{source}: unsupported architecture {found}; infer supports {', '.join(allowed)}. "
+        "Use a checkpoint of a supported architecture, or install a plugin that registers this one."
+    )

@@ -1,0 +1,253 @@
+"""GGUF checkpoints (llama.cpp's format): metadata -> HF config, tensors -> HF names.
+
+Tensors are dequantized to float32 with the `gguf` package (Q4_1: per block of
+32 values, `x = d * q + m` with fp16 `d`, `m` and 4-bit `q`). llama.cpp's
+converter permutes the rows of a Llama q/k projection from HF's rotary layout
+(per head: first half, second half) into its interleaved one (pairs); `read`
+undoes that, so every weight comes out exactly as the HF checkpoint holds it.
+Qwen2/Qwen3 files are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
+
+# GGUF general.architecture -> (HF architecture, model_type)
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),  # llama.cpp stores Mistral as llama too
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+_PERMUTED_QK = {"llama"}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors that are config, not weights: llama.cpp bakes Llama 3 rope scaling into rope_freqs.
+_CONFIG_TENSORS = {"rope_freqs.weight"}
+_REFETCH = "re-download the GGUF file"
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `LlamaModel.permute`: per head, rows (pairs, 2) -> (2, pairs)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """One .gguf file: its metadata, HF config, and tensors under HF names."""
+
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise CorruptCheckpointError(f"{path}: does not start with the GGUF magic bytes: not a GGUF file "
+                                             f"(or a corrupt one); {_REFETCH}")
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as exc:  # gguf raises whatever NumPy does on a short file
+            raise CorruptCheckpointError(f"{path}: unreadable GGUF ({type(exc).__name__}: {exc}); the file is "
+                                         f"probably truncated; {_REFETCH}") from exc
+        size = path.stat().st_size
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise CorruptCheckpointError(f"{path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} but "
+                                             f"the file holds {size}: truncated; {_REFETCH}")
+        self.arch = str(self._field("general.architecture"))
+        if self.arch not in GGUF_ARCHITECTURES:
+            supported = ", ".join(f"{k} ({v[0]})" for k, v in GGUF_ARCHITECTURES.items())
+            raise UnsupportedArchitectureError(f"{path}: GGUF architecture {self.arch!r} is not supported; infer reads "
+                                               f"GGUF {supported}. Use a GGUF of a supported architecture")
+        self._gguf_tensors = {t.name: t for t in self.reader.tensors}
+        self._by_hf_name = {}
+        for name, tensor in self._gguf_tensors.items():
+            if name in _CONFIG_TENSORS:
+                continue
+            mapped = hf_name(name)
+            if mapped is None:
+                raise LoaderError(f"{path}: tensor {name!r} has no Hugging Face name in infer's GGUF map for "
+                                  f"{self.arch}; this GGUF variant is not supported yet")
+            self._by_hf_name[mapped] = tensor
+        self.config = self._build_config()
+
+    # -- metadata -----------------------------------------------------------
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _arch_field(self, key: str, default: Any = None) -> Any:
+        return self._field(f"{self.arch}.{key}", default)
+
+    def _build_config(self) -> dict[str, Any]:
+        hidden = self._arch_field("embedding_length")
+        heads = self._arch_field("attention.head_count")
+        layers = self._arch_field("block_count")
+        if None in (hidden, heads, layers):
+            raise CorruptCheckpointError(f"{self.path}: GGUF metadata lacks {self.arch}.embedding_length, "
+                                         f".attention.head_count or .block_count; {_REFETCH}")
+        hf_arch, model_type = GGUF_ARCHITECTURES[self.arch]
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self._arch_field("vocab_size") or (len(tokens.data) if tokens else None)
+        if vocab is None:
+            vocab = int(self._gguf_tensors["token_embd.weight"].shape[-1])
+        cfg: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": int(hidden),
+            "intermediate_size": int(self._arch_field("feed_forward_length")),
+            "num_hidden_layers": int(layers),
+            "num_attention_heads": int(heads),
+            "num_key_value_heads": int(self._arch_field("attention.head_count_kv", heads)),
+            "head_dim": int(self._arch_field("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(),
+            "max_position_embeddings": int(self._arch_field("context_length", 2048)),
+            "vocab_size": int(vocab),
+            "tie_word_embeddings": "output.weight" not in self._gguf_tensors,
+            "hidden_act": "silu",
+            "mlp_bias": False,
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
+            "dtype": "float32",
+        }
+        if self.arch != "qwen2":  # Qwen2 always has q/k/v biases; the others say so
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in self._gguf_tensors
+        if (window := self._arch_field("attention.sliding_window")) is not None:
+            cfg["sliding_window"] = int(window)
+        return cfg
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self._arch_field("rope.scaling.type")
+        factor = self._arch_field("rope.scaling.factor")
+        if "rope_freqs.weight" in self._gguf_tensors:
+            return self._llama3_rope_scaling()
+        if kind in (None, "none") or factor in (None, 1.0):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(factor)}
+        if kind == "yarn":
+            scaling = {"rope_type": "yarn", "factor": float(factor)}
+            if (orig := self._arch_field("rope.scaling.original_context_length")) is not None:
+                scaling["original_max_position_embeddings"] = int(orig)
+            return scaling
+        raise LoaderError(f"{self.path}: rope scaling {kind!r} in GGUF metadata is not supported (linear, yarn and "
+                          "Llama 3 rope_freqs are)")
+
+    def _llama3_rope_scaling(self) -> dict[str, Any]:
+        """llama.cpp stores Llama 3 rope scaling as per-frequency divisors; find the HF parameters that give them."""
+        from gguf import dequantize
+
+        t = self._gguf_tensors["rope_freqs.weight"]
+        stored = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+        hidden, heads = self._arch_field("embedding_length"), self._arch_field("attention.head_count")
+        dim = int(self._arch_field("rope.dimension_count", hidden // heads))
+        theta = float(self._arch_field("rope.freq_base", 10000.0))
+        factor = float(stored.max())
+        # Every Llama 3.x release uses these three; only `factor` varies (8 or 32).
+        low, high, orig = 1.0, 4.0, 8192
+        if np.allclose(llama3_freq_factors(theta, dim, factor, low, high, orig), stored, rtol=1e-5):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": orig}
+        raise LoaderError(f"{self.path}: rope_freqs tensor does not match Llama 3 rope scaling with low_freq_factor=1, "
+                          "high_freq_factor=4, original context 8192; load the HF safetensors checkpoint instead")
+
+    # -- tensors ------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_hf_name)
+
+    def nbytes(self, name: str) -> int:
+        return int(self._by_hf_name[name].n_bytes)
+
+    def read(self, name: str) -> np.ndarray:
+        """One weight dequantized to float32, in HF layout."""
+        from gguf import dequantize
+
+        t = self._by_hf_name[name]
+        try:
+            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # copy: F32 comes back as a view
+        except NotImplementedError as exc:
+            raise LoaderError(f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, which gguf-py cannot "
+                              "dequantize; use a file quantized to F16, Q8_0, Q4_0/Q4_1 or a K-quant") from exc
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest-moving dimension first
+        w = w.reshape(shape)
+        if self.arch in _PERMUTED_QK:
+            if ".self_attn.q_proj." in name:
+                w = unpermute_rows(w, self.config["num_attention_heads"])
+            elif ".self_attn.k_proj." in name:
+                w = unpermute_rows(w, self.config["num_key_value_heads"])
+        return w
+
+    # -- tokenizer side -------------------------------------------------------
+    def chat_template(self, tokenizer: Any = None) -> str | None:
+        return self._field("tokenizer.chat_template")
+
+    def generation_config(self) -> dict[str, Any]:
+        gen: dict[str, Any] = {}
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if self.config.get(key) is not None:
+                gen[key] = self.config[key]
+        # Chat models often end a turn with a separate end-of-turn token (Llama 3's <|eot_id|>).
+        eot = self._field("tokenizer.ggml.eot_token_id")
+        if eot is not None and eot != gen.get("eos_token_id"):
+            gen["eos_token_id"] = [x for x in (gen.get("eos_token_id"), eot) if x is not None]
+        for gguf_key, hf_key in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
+            if (value := self._field(f"general.sampling.{gguf_key}")) is not None:
+                gen[hf_key] = value
+        return gen
+
+    def load_tokenizer(self):
+        """transformers' tokenizer rebuilt from the GGUF vocabulary, or None when the file has none."""
+        if "tokenizer.ggml.model" not in self.reader.fields:
+            return None
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
+                                                           local_files_only=True)
+        except Exception as exc:
+            raise LoaderError(f"{self.path}: could not build a tokenizer from the GGUF metadata "
+                              f"({type(exc).__name__}: {exc}); pass load_tokenizer=False to load weights only") from exc
+
+
+def llama3_freq_factors(theta: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
+    """The divisor llama.cpp's converter writes to rope_freqs for each rotary frequency."""
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (orig / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))

@@ -1,0 +1,128 @@
+"""`load_model`: a path or alias in, a `LoadedModel` (config, NumPy weights, tokenizer) out."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .architectures import check_architecture
+from .config import normalize_config, resolve_dtype
+from .gguf_file import GGUFCheckpoint
+from .hf_dir import HFCheckpoint
+from .paths import DEFAULT_MODEL, resolve_model_path
+
+
+class Checkpoint(Protocol):
+    """What `HFCheckpoint` and `GGUFCheckpoint` share."""
+
+    format: str
+    path: Path
+    config: dict[str, Any]
+    names: list[str]
+
+    def nbytes(self, name: str) -> int: ...
+    def read(self, name: str) -> np.ndarray: ...
+    def chat_template(self, tokenizer: Any = None) -> str | None: ...
+    def generation_config(self) -> dict[str, Any]: ...
+    def load_tokenizer(self) -> Any: ...
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine.
+
+    ``weights`` maps HF parameter names (``model.layers.0.self_attn.q_proj.weight``)
+    to arrays of ``dtype`` in HF layout (``[out, in]`` for projections). It holds
+    what the checkpoint holds: with ``tie_word_embeddings`` there is no
+    ``lm_head.weight``. Empty when loaded with ``load_weights=False``; then
+    stream them with `iter_weights`.
+    """
+
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    tokenizer: Any  # transformers PreTrainedTokenizerFast, or None when the checkpoint has no tokenizer
+    chat_template: str | None
+    generation_config: dict[str, Any]
+    source: Path  # the HF directory or the .gguf file
+    format: str  # "safetensors" or "gguf"
+    dtype: np.dtype
+    architecture: str
+    checkpoint: Checkpoint = field(repr=False)
+
+    @property
+    def weight_names(self) -> list[str]:
+        return self.checkpoint.names
+
+    def iter_weights(self, progress: bool | None = None) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, array) one weight at a time, so only one is in memory beyond what the caller keeps."""
+        return stream_weights(self.checkpoint, self.dtype, progress)
+
+
+def open_checkpoint(path_or_alias: str | Path = DEFAULT_MODEL) -> Checkpoint:
+    path, fmt = resolve_model_path(path_or_alias)
+    return GGUFCheckpoint(path) if fmt == "gguf" else HFCheckpoint(path)
+
+
+def load_model(
+    path_or_alias: str | Path = DEFAULT_MODEL,
+    dtype: Any = "auto",
+    *,
+    load_weights: bool = True,
+    load_tokenizer: bool = True,
+    progress: bool | None = None,
+    supported_architectures: Iterable[str] | None = None,
+) -> LoadedModel:
+    """Load an HF directory, a .gguf file, or an alias (default ``smollm2``).
+
+    ``dtype``: ``"auto"``, ``"float32"`` or ``"float16"`` (also NumPy or torch
+    dtypes). ``progress``: a tqdm bar on stderr; None shows it only on a TTY.
+    ``supported_architectures``: the names a plugin registry knows, replacing
+    the built-in Llama family.
+    """
+    ckpt = open_checkpoint(path_or_alias)
+    config = normalize_config(ckpt.config)
+    architecture = check_architecture(config, ckpt.path, supported_architectures)
+    np_dtype = resolve_dtype(dtype, config, ckpt.format)
+    tokenizer = ckpt.load_tokenizer() if load_tokenizer else None
+    weights = dict(stream_weights(ckpt, np_dtype, progress)) if load_weights else {}
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        chat_template=ckpt.chat_template(tokenizer),
+        generation_config=ckpt.generation_config(),
+        source=ckpt.path,
+        format=ckpt.format,
+        dtype=np_dtype,
+        architecture=architecture,
+        checkpoint=ckpt,
+    )
+
+
+def iter_weights(
+    path_or_alias: str | Path = DEFAULT_MODEL, dtype: Any = "auto", progress: bool | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Stream (HF name, array) pairs straight from a checkpoint, without the tokenizer."""
+    ckpt = open_checkpoint(path_or_alias)
+    return stream_weights(ckpt, resolve_dtype(dtype, normalize_config(ckpt.config), ckpt.format), progress)
+
+
+def stream_weights(ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    from tqdm import tqdm
+
+    names = ckpt.names
+    show = sys.stderr.isatty() if progress is None else progress
+    total = sum(ckpt.nbytes(n) for n in names)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {ckpt.path.name}", file=sys.stderr,
+              disable=not show, leave=False) as bar:
+        for name in names:
+            array = ckpt.read(name)
+            if np.issubdtype(array.dtype, np.floating) and array.dtype != dtype:
+                array = array.astype(dtype)
+            bar.update(ckpt.nbytes(name))
+            yield name, array
