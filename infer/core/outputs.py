@@ -34,3 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the engine refused the request, if it did

@@ -1,0 +1,261 @@
+"""LLMEngine: the step loop that ties scheduler, model runner and sampler."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..registry import Ops, get_backend, registry
+from .config import CacheConfig, SchedulerConfig
+from .loader import load_model
+from .lowering import lower
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
+from .request_state import CompletionState, RequestState
+from .sampling_batch import build_sampling_tensors
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .detokenizer import IncrementalDetokenizer
+
+# Without an explicit size the KV pool holds max_num_seqs full contexts, capped
+# at 1 GiB, so small runs do not reserve gigabytes (--kv-cache-memory raises it).
+MAX_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings with vLLM's names."""
+
+    model: str = "smollm2"
+    backend: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    kv_cache_memory: int | None = None  # bytes, all layers
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    show_progress: bool | None = None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any):
+        a = args or EngineArgs(**kwargs)
+        self.args = a
+        self.backend = get_backend(a.backend, device=a.device)
+        self.ops = Ops(self.backend)
+        reg = registry()
+        m = load_model(a.model, load_tokenizer=not a.skip_tokenizer_init, progress=a.show_progress,
+                       supported_architectures=reg.models)
+        self.model_config, self.tokenizer, self.chat_template = m.config, m.tokenizer, m.chat_template
+        self.generation_config = m.generation_config
+        self.dtype = self._resolve_dtype(a.dtype, str(m.dtype))
+        graph = reg.models[m.architecture](m.config)
+        program = lower(graph, fuses=lambda op, attrs: bool(self.backend.fuses(op, **attrs)))
+        model_len = graph.config.max_position_embeddings
+        if a.max_model_len is not None and a.max_model_len > model_len:
+            raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
+        self.max_model_len = a.max_model_len or model_len
+        self.runner = ModelRunner(program, self.backend, self.ops, m.weights, self.dtype, self.max_model_len)
+        m.weights.clear()  # the runner holds the only copy now
+        cache = self._cache_config(a)
+        self.cache_config = cache
+        sched = SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_num_seqs),
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=a.enable_chunked_prefill,
+            long_prefill_token_threshold=a.long_prefill_token_threshold,
+            policy=a.scheduling_policy,
+        )
+        self.scheduler = Scheduler(sched, cache, stop_checker=self._on_token)
+        self.runner.allocate_kv_caches(cache.num_blocks, cache.block_size)
+        eos = self.generation_config.get("eos_token_id", graph.config.eos_token_ids)
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        self.vocab_size = graph.config.vocab_size
+        self._rng = np.random.default_rng(a.seed)
+        self._states: dict[str, RequestState] = {}
+        self._completions: dict[str, CompletionState] = {}  # scheduler request id -> completion
+        self._ids = itertools.count()
+        self._pending: dict[str, tuple] = {}  # request id -> this step's (logprob, top ids, top logprobs)
+
+    # -- set-up helpers ---------------------------------------------------------
+    def _resolve_dtype(self, dtype: str, loaded: str) -> str:
+        name = loaded if dtype == "auto" else dtype
+        if name not in self.backend.dtypes:
+            raise ValueError(f"dtype {name} is not supported by backend '{self.backend.name}' "
+                             f"(supported: {', '.join(self.backend.dtypes)})")
+        return name
+
+    def _cache_config(self, a: EngineArgs) -> CacheConfig:
+        block_size = a.block_size or self.backend.preferred_block_size
+        per_token = self.runner.kv_cache_bytes_per_block(1)
+        if a.num_gpu_blocks_override:
+            return CacheConfig(block_size, num_blocks=a.num_gpu_blocks_override,
+                               enable_prefix_caching=a.enable_prefix_caching).resolve(block_size)
+        kv_bytes = a.kv_cache_memory or min(MAX_DEFAULT_KV_BYTES, per_token * a.max_num_seqs * self.max_model_len)
+        # At least one full context, or the scheduler could never finish a long request.
+        kv_bytes = max(kv_bytes, per_token * (self.max_model_len + block_size))
+        return CacheConfig(block_size, kv_cache_memory_bytes=kv_bytes,
+                           enable_prefix_caching=a.enable_prefix_caching).resolve(block_size, per_token)
+
+    # -- requests ---------------------------------------------------------------
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this engine was built with skip_tokenizer_init=True: pass {'prompt_token_ids': [...]}")
+        return prompt, list(self.tokenizer(prompt).input_ids)
+
+    def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request; ValueError (naming the problem) if it cannot be served."""
+        params = params or SamplingParams()
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id!r}: the prompt has {len(ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate; shorten the prompt")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            params = _replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
+                             arrival_time=arrival_time or time.time())
+        req = Request(f"{request_id}#0", ids, params, state.arrival_time, priority, cache_salt)
+        self.scheduler.add_request(req)
+        self._states[request_id] = state
+        self._track(state, req, 0)
+
+    def _track(self, state: RequestState, req: Request, index: int) -> None:
+        p = state.params
+        seed = p.seed + index if p.seed is not None else int(self._rng.integers(0, 2**62))
+        detok = None
+        if self.tokenizer is not None and p.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.skip_special_tokens)
+        comp = CompletionState(index, req, p, seed, self.eos_token_ids, detok)
+        state.completions.append(comp)
+        self._completions[req.request_id] = comp
+
+    def abort_request(self, request_id: str) -> bool:
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        state.pending_forks = 0
+        for c in state.completions:
+            self.scheduler.abort_request(c.request.request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # -- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; return outputs of requests that progressed."""
+        out = self.scheduler.schedule()
+        touched = {rid.rsplit("#", 1)[0] for rid in out.finished_request_ids}
+        if not out.is_empty:
+            self._run(out)
+            touched |= {s.request_id.rsplit("#", 1)[0] for s in out.scheduled}
+        results = []
+        for rid in touched:
+            state = self._states.get(rid)
+            if state is None:
+                continue
+            results.append(self._output(state))
+            if state.finished:
+                del self._states[rid]
+                for c in state.completions:
+                    self._completions.pop(c.request.request_id, None)
+        return results
+
+    def _run(self, out) -> None:
+        be = self.backend
+        if out.block_copies:
+            src, dst = (np.array(x, dtype=np.int64) for x in zip(*out.block_copies))
+            for cache in self.runner.kv_caches:
+                be.copy_blocks(cache, src, dst)
+        mi = out.model_input()
+        logits = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions), be.asarray(mi.logits_indices),
+                                     be.prepare_metadata(mi.attn_metadata))
+        rows, comps = [], []
+        for row, rid in enumerate(mi.sample_request_ids):
+            comp = self._completions[rid]
+            rows.append(row)
+            comps.append(comp)
+            state = self._states[rid.rsplit("#", 1)[0]]
+            # n > 1: the children fork when the prompt is computed, sharing its
+            # blocks copy-on-write, and each samples its own token from this row.
+            while state.pending_forks and comp.index == 0 and comp.request.num_output_tokens == 0:
+                index = len(state.completions)
+                child = self.scheduler.fork_request(rid, f"{state.request_id}#{index}")
+                state.pending_forks -= 1
+                self._track(state, child, index)
+                rows.append(row)
+                comps.append(state.completions[-1])
+        if not comps:
+            self.scheduler.update_from_output(out, {})
+            return
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[be.asarray(np.array(rows, dtype=np.int64))]
+        params = be.prepare_sampling(build_sampling_tensors(comps))
+        sampled = self.ops.sample(logits, params)
+        tokens = be.to_numpy(sampled.token_ids)
+        lps = be.to_numpy(sampled.logprobs)
+        top_ids = be.to_numpy(sampled.top_token_ids) if sampled.top_token_ids is not None else None
+        top_lps = be.to_numpy(sampled.top_logprobs) if sampled.top_logprobs is not None else None
+        for i, comp in enumerate(comps):
+            self._pending[comp.request.request_id] = (float(lps[i]), top_ids[i] if top_ids is not None else (),
+                                                      top_lps[i] if top_lps is not None else ())
+        self.scheduler.update_from_output(out, {c.request.request_id: int(t) for c, t in zip(comps, tokens)})
+        self._pending.clear()  # entries of requests aborted since schedule() were never consumed
+
+    def _on_token(self, req: Request) -> RequestStatus | None:
+        """The scheduler's stop checker: runs once per sampled token."""
+        comp = self._completions[req.request_id]
+        lp, top_ids, top_lps = self._pending.pop(req.request_id)
+        token = req.output_token_ids[-1]
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        comp.record_logprobs(token, lp, top_ids, top_lps, decode)
+        return comp.on_token()
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        finished = state.finished
+        metrics = {"arrival_time": state.arrival_time}
+        first = [c.first_token_time for c in state.completions if c.first_token_time]
+        if first:
+            metrics["first_token_time"] = min(first)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             [c.output() for c in state.completions], finished, metrics)
+
+    def stats(self):
+        return self.scheduler.get_stats()
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import dataclasses
+
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    fields.update(changes)
+    return SamplingParams(**fields)

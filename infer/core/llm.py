@@ -1,0 +1,78 @@
+"""LLM: the offline API (vLLM's `LLM.generate` / `LLM.chat`)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from .engine import EngineArgs, LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", backend: str = "auto", **kwargs: Any):
+        self.engine = LLMEngine(EngineArgs(model=model, backend=backend, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | dict | Sequence[str | dict], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in the order of `prompts`.
+
+        A prompt the engine refuses (empty, too long, ...) does not stop the
+        others: its output is finished at once with ``finish_reason='error'``
+        and the reason in ``RequestOutput.error``.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            rid = str(next(self._ids))
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            except (ValueError, TypeError) as exc:
+                results[rid] = _failed(rid, prompt, str(exc))
+        live = len(prompts) - len(results)
+        bar = tqdm(total=live, desc="Processed prompts", file=sys.stderr, disable=not use_tqdm or live == 0, leave=False)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        tok = self.engine.tokenizer
+        template = chat_template or self.engine.chat_template
+        if tok is None or template is None:
+            raise ValueError("this model has no chat template (or no tokenizer); use generate() with a plain prompt")
+        ids = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
+                                      tokenize=True, return_dict=False)
+        return list(ids)
+
+
+def _failed(rid: str, prompt: Any, error: str) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    out = RequestOutput(rid, text, [], [CompletionOutput(0, "", [], finish_reason="error")], True)
+    out.error = error
+    return out

@@ -1,0 +1,46 @@
+"""Host-side SamplingTensors for one step's sampled rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..primitives.types import SamplingTensors
+from .request_state import CompletionState
+
+
+def _padded(rows: list[list[int]]) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def build_sampling_tensors(rows: list[CompletionState]) -> SamplingTensors:
+    ps = [c.params for c in rows]
+    f32 = lambda xs: np.array(xs, dtype=np.float32)  # noqa: E731
+    t = SamplingTensors(
+        temperature=f32([p.temperature for p in ps]),
+        top_k=np.array([p.top_k for p in ps], dtype=np.int32),
+        top_p=f32([p.top_p for p in ps]),
+        min_p=f32([p.min_p for p in ps]),
+        seeds=np.array([c.seed for c in rows], dtype=np.int64),
+        steps=np.array([c.request.num_output_tokens for c in rows], dtype=np.int64),
+        presence_penalty=f32([p.presence_penalty for p in ps]),
+        frequency_penalty=f32([p.frequency_penalty for p in ps]),
+        repetition_penalty=f32([p.repetition_penalty for p in ps]),
+        max_num_logprobs=max((p.logprobs or 0 for p in ps), default=0),
+    )
+    # Token histories only cross to the device when some row is penalised.
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        t.prompt_token_ids = _padded([c.request.prompt_token_ids for c in rows])
+    if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
+        t.output_token_ids = _padded([c.request.output_token_ids for c in rows])
+    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in c.banned_tokens()} for c in rows]
+    if any(biases):
+        t.logit_bias_ids = _padded([list(b) for b in biases])
+        values = np.zeros(t.logit_bias_ids.shape, dtype=np.float32)
+        for i, b in enumerate(biases):
+            values[i, : len(b)] = list(b.values())
+        t.logit_bias_values = values
+    return t

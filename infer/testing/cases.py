@@ -1,0 +1,177 @@
+"""The conformance cases: which edge cases each primitive is checked on, and
+their host inputs.
+
+A `Case` is a name and a few shape parameters; `Case.inputs()` turns it into
+NumPy arrays from a seed fixed by the case name, so every run, every backend
+and every dtype of a case sees the same values (float inputs pre-rounded to the
+case dtype, so the backend under test and the float32 oracle start from the
+exact same numbers). Shapes are tiny on purpose: the suite must stay quick
+under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ..primitives.spec import PRIMITIVES
+from ..primitives.types import FLOAT_DTYPES
+from . import inputs as make
+
+SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+COLLECTIVES = ("all_reduce", "all_gather")
+# The primitives plus the one piece of cache plumbing the core relies on
+# whose correctness depends on the backend's KV layout.
+CHECKED = (*PRIMITIVES, "copy_blocks")
+
+
+@dataclass(frozen=True)
+class Case:
+    primitive: str
+    name: str
+    dtype: str
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.primitive}-{self.name}-{SHORT_DTYPE[self.dtype]}"
+
+    @property
+    def seed(self) -> int:
+        # Independent of dtype (same values, rounded differently) and of the
+        # case list (adding a case never changes another's inputs).
+        return zlib.crc32(f"{self.primitive}-{self.name}".encode())
+
+    def inputs(self) -> dict[str, Any]:
+        rng = np.random.default_rng(self.seed)
+        return make.BUILDERS[self.primitive](rng, self.dtype, **self.params)
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def _each_dtype(primitive: str, specs: Iterable[tuple[str, dict]], dtypes=FLOAT_DTYPES) -> list[Case]:
+    return [Case(primitive, name, dt, params) for name, params in specs for dt in dtypes]
+
+
+def _attention_specs(block_size: int) -> list[tuple[str, dict]]:
+    # (q_len, seq_len) per request: seq_len counts cached tokens plus this step's.
+    mixed = [(5, 21), (1, 16), (7, 7), (1, 33)]
+    specs = [
+        ("decode_ctx15_16_17_gqa1_d64", dict(reqs=[(1, 15), (1, 16), (1, 17)], hq=2, d=64)),
+        ("prefill_ctx15_16_17_gqa1_d64", dict(reqs=[(15, 15), (16, 16), (17, 17)], hq=2, d=64)),
+        ("prefill_only_gqa3_d64", dict(reqs=[(9, 9), (4, 4)], hq=6, d=64)),
+        ("decode_only_gqa8_d128", dict(reqs=[(1, 9), (1, 40), (1, 3)], hq=16, d=128)),
+        ("mixed_gqa1_d80", dict(reqs=mixed, hq=2, d=80)),
+        ("mixed_gqa3_d64", dict(reqs=mixed, hq=6, d=64)),
+        ("mixed_gqa8_d128", dict(reqs=mixed, hq=16, d=128)),
+        ("mixed_mqa_d64", dict(reqs=mixed, hq=4, hk=1, d=64)),
+        ("one_token", dict(reqs=[(1, 1)], hq=2, d=64)),
+        ("empty_batch", dict(reqs=[], hq=2, d=64)),
+        ("many_blocks_gqa3_d64", dict(reqs=[(1, 150), (16, 130)], hq=6, d=64)),
+        ("sliding_window8_gqa3_d64", dict(reqs=mixed, hq=6, d=64, sliding_window=8)),
+        ("soft_cap_gqa3_d64", dict(reqs=mixed, hq=6, d=64, soft_cap=5.0, q_scale=4.0)),
+        ("window_soft_cap_gqa8_d128", dict(reqs=mixed, hq=16, d=128, sliding_window=5, soft_cap=3.0, q_scale=3.0)),
+    ]
+    if block_size != 16:
+        b = block_size
+        reqs = [(1, b - 1), (1, b), (1, b + 1), (3, b + 2)]
+        specs.append((f"ctx_bs{b}_boundary_gqa3_d64", dict(reqs=reqs, hq=6, d=64, block_size=b)))
+    return specs
+
+
+def _kv_write_specs(block_size: int) -> list[tuple[str, dict]]:
+    specs = [
+        ("contiguous_across_block", dict(t=20, slots="contiguous")),
+        ("scattered_d64", dict(t=12, slots="scattered")),
+        ("scattered_d80", dict(t=12, slots="scattered", d=80)),
+        ("scattered_d128_hk8", dict(t=12, slots="scattered", d=128, hk=8)),
+        ("padded_minus1_slots", dict(t=12, slots="padded")),
+        ("one_token", dict(t=1, slots="scattered")),
+        ("empty_batch", dict(t=0, slots="scattered")),
+    ]
+    if block_size != 16:
+        specs.append((f"contiguous_bs{block_size}", dict(t=20, slots="contiguous", block_size=block_size)))
+    return specs
+
+
+_SAMPLE_SPECS = [
+    ("greedy", dict(temperature=0.0)),
+    ("greedy_ties_lowest_id", dict(temperature=0.0, ties=2)),
+    ("temperature", dict(temperature=[0.5, 1.0, 1.5, 0.8])),
+    ("mixed_greedy_and_random", dict(temperature=[0.0, 1.0, 0.0, 0.7])),
+    ("top_k", dict(temperature=1.0, top_k=[1, 3, 10, 0])),
+    # Three ids tie for the top and k=2: all three stay candidates (8 rows so a
+    # filter that drops one is very likely to be caught by some row's noise).
+    ("top_k_ties_all_kept", dict(b=8, temperature=1.0, top_k=2, ties=3)),
+    ("top_p", dict(temperature=1.0, top_p=[0.1, 0.5, 0.9, 1.0])),
+    ("min_p", dict(temperature=1.0, min_p=[0.05, 0.2, 0.5, 0.0])),
+    ("top_k_top_p_min_p", dict(temperature=0.9, top_k=[5, 20, 0, 8], top_p=[0.8, 0.6, 0.95, 1.0], min_p=[0.1, 0.0, 0.05, 0.2])),
+    ("penalties", dict(temperature=[0.0, 0.0, 0.0, 0.8], penalties=True)),
+    ("logit_bias", dict(temperature=[0.0, 1.0, 0.0, 0.8], logit_bias=True)),
+    ("seeded_same_seed_rows", dict(temperature=1.0, same_seed=True)),
+    ("logprobs", dict(temperature=[0.0, 1.0, 0.7, 0.0], logprobs=5, penalties=True)),
+    ("one_request", dict(b=1, temperature=1.0, logprobs=2)),
+    ("empty_batch", dict(b=0, temperature=1.0)),
+    ("vocab1000", dict(v=1000, temperature=[0.0, 1.0, 0.6, 1.2], top_k=[0, 50, 0, 10], top_p=[1.0, 0.9, 0.7, 1.0])),
+]
+
+
+def all_cases(block_size: int = 16) -> list[Case]:
+    """Every case, for a backend whose preferred KV block size is `block_size`."""
+    cases: list[Case] = []
+    cases += _each_dtype("embedding", [
+        ("tokens7", dict(t=7)), ("ids_int32", dict(t=7, id_dtype="int32")),
+        ("one_token", dict(t=1)), ("empty_batch", dict(t=0)),
+    ])
+    cases += _each_dtype("rms_norm", [
+        ("h64", dict(t=5, h=64)), ("residual_h64", dict(t=5, h=64, residual=True)),
+        ("large_values_h80", dict(t=3, h=80, scale=40.0)), ("one_token", dict(t=1, h=64, residual=True)),
+        ("empty_batch", dict(t=0, h=64, residual=True)),
+    ])
+    cases += _each_dtype("linear", [
+        ("k64_n48", dict(t=5, k=64, n=48)), ("bias_k80_n40", dict(t=5, k=80, n=40, bias=True)),
+        ("one_token", dict(t=1, k=64, n=48, bias=True)), ("empty_batch", dict(t=0, k=64, n=48)),
+    ])
+    cases += _each_dtype("rotary", [
+        ("neox_d64", dict(d=64, neox=True)), ("gptj_d64", dict(d=64, neox=False)),
+        ("neox_d80", dict(d=80, neox=True)), ("neox_partial_d128_r64", dict(d=128, rot=64, neox=True)),
+        ("gptj_partial_d64_r32", dict(d=64, rot=32, neox=False)),
+        ("one_token", dict(t=1, d=64, neox=True)), ("empty_batch", dict(t=0, d=64, neox=True)),
+    ])
+    cases += _each_dtype("act_and_mul", [
+        ("silu", dict(kind="silu")), ("gelu", dict(kind="gelu")), ("gelu_tanh", dict(kind="gelu_tanh")),
+        ("one_token", dict(t=1, kind="silu")), ("empty_batch", dict(t=0, kind="silu")),
+    ])
+    cases += _each_dtype("kv_write", _kv_write_specs(block_size))
+    cases += _each_dtype("attention", _attention_specs(block_size))
+    cases += _each_dtype("copy_blocks", [("two_blocks", dict(src=[1, 3], dst=[4, 0])), ("no_blocks", dict(src=[], dst=[]))])
+    cases += _each_dtype("moe", [
+        ("top1_renorm", dict(top_k=1, renormalize=True)), ("top1", dict(top_k=1, renormalize=False)),
+        ("top2_renorm", dict(top_k=2, renormalize=True)), ("top2", dict(top_k=2, renormalize=False)),
+        ("top1_ties_lowest_id", dict(top_k=1, renormalize=False, ties=2)),
+        ("top2_ties_lowest_id", dict(top_k=2, renormalize=True, ties=3)),
+        ("one_token", dict(t=1, top_k=2, renormalize=True)), ("empty_batch", dict(t=0, top_k=2, renormalize=True)),
+    ])
+    # Logits are float32 by contract, so sampling has float32 cases only.
+    cases += _each_dtype("sample", _SAMPLE_SPECS, dtypes=("float32",))
+    cases += _each_dtype("all_reduce", [("sum_2ranks", dict())])
+    cases += _each_dtype("all_gather", [("dim0_2ranks", dict(dim=0))])
+    cases += _each_dtype("all_gather", [("dim_last_2ranks", dict(dim=-1))], dtypes=("float32",))
+    assert {c.primitive for c in cases} == set(CHECKED), "every primitive needs cases"
+    return cases
+
+
+def select(cases: Iterable[Case], primitives: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
+           match: str | None = None) -> list[Case]:
+    """The cases of the given primitives and dtypes whose id contains `match`."""
+    prims = set(primitives) if primitives else None
+    dts = set(dtypes) if dtypes else None
+    return [
+        c for c in cases
+        if (prims is None or c.primitive in prims) and (dts is None or c.dtype in dts)
+        and (not match or match in c.id)
+    ]

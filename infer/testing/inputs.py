@@ -1,0 +1,221 @@
+"""Host (NumPy) inputs of each conformance case, one builder per primitive.
+
+Every builder takes a seeded `rng` and the case dtype and returns plain NumPy
+data: float tensors already rounded to the dtype (float32 storage), integer
+tensors in the dtypes the core uses, and host records (`AttentionMetadata`,
+`SamplingTensors`) that the runner moves with `prepare_metadata` /
+`prepare_sampling`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..primitives.types import AttentionMetadata, SamplingTensors, round_to_dtype
+
+
+def _normal(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    return round_to_dtype(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
+
+
+def embedding(rng, dtype, t, v=64, h=32, id_dtype="int64"):
+    return {"ids": rng.integers(0, v, t).astype(id_dtype), "table": _normal(rng, (v, h), dtype)}
+
+
+def rms_norm(rng, dtype, t, h, residual=False, scale=1.0):
+    return {
+        "x": _normal(rng, (t, h), dtype, scale),
+        "weight": round_to_dtype(1.0 + 0.1 * rng.standard_normal(h), dtype),
+        "eps": 1e-6,
+        "residual": _normal(rng, (t, h), dtype, scale) if residual else None,
+    }
+
+
+def linear(rng, dtype, t, k, n, bias=False):
+    return {
+        "x": _normal(rng, (t, k), dtype),
+        "weight": _normal(rng, (n, k), dtype, k**-0.5),
+        "bias": _normal(rng, (n,), dtype, 0.1) if bias else None,
+    }
+
+
+def rotary(rng, dtype, d, neox, t=7, hq=4, hk=2, rot=None, max_pos=64):
+    rot = rot or d
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, rot, 2, dtype=np.float64) / rot))
+    angles = np.outer(np.arange(max_pos, dtype=np.float64), inv_freq)
+    return {
+        "q": _normal(rng, (t, hq, d), dtype),
+        "k": _normal(rng, (t, hk, d), dtype),
+        "positions": rng.integers(0, max_pos, t).astype(np.int64),
+        "cos_sin_cache": np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32),
+        "neox_style": neox,
+    }
+
+
+def act_and_mul(rng, dtype, kind, t=5, i=40):
+    return {"x": _normal(rng, (t, 2 * i), dtype, 2.0), "kind": kind}
+
+
+def kv_write(rng, dtype, t, slots, hk=2, d=64, block_size=16, num_blocks=4):
+    capacity = num_blocks * block_size
+    if slots == "contiguous":  # starts 5 slots before a block ends, so it crosses into the next
+        mapping = np.arange(block_size - 5, block_size - 5 + t)
+    else:
+        mapping = rng.choice(capacity, size=t, replace=False)
+    mapping = mapping.astype(np.int64)
+    if slots == "padded":
+        mapping[::3] = -1
+    return {
+        "k": _normal(rng, (t, hk, d), dtype),
+        "v": _normal(rng, (t, hk, d), dtype),
+        "slot_mapping": mapping,
+        "cache_shape": (num_blocks, block_size, hk, d),
+    }
+
+
+def copy_blocks(rng, dtype, src, dst, hk=2, d=64, block_size=16, num_blocks=5):
+    slots = num_blocks * block_size  # every slot written, so a wrong copy shows anywhere
+    return {
+        "k": _normal(rng, (slots, hk, d), dtype),
+        "v": _normal(rng, (slots, hk, d), dtype),
+        "slot_mapping": np.arange(slots, dtype=np.int64),
+        "cache_shape": (num_blocks, block_size, hk, d),
+        "src": np.array(src, dtype=np.int64),
+        "dst": np.array(dst, dtype=np.int64),
+    }
+
+
+def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0):
+    """A paged batch: `reqs` is (q_len, seq_len) per request.
+
+    Blocks are shuffled and block 0 is never used, so a backend that ignores
+    `block_table` or assumes contiguous blocks reads wrong (or zero) K/V.
+    """
+    q_lens = np.array([q for q, _ in reqs], dtype=np.int32)
+    seq_lens = np.array([s for _, s in reqs], dtype=np.int32)
+    blocks_per_req = [-(-int(s) // block_size) for s in seq_lens]
+    physical = rng.permutation(sum(blocks_per_req)) + 1
+    block_table = np.zeros((len(reqs), max(blocks_per_req, default=1)), dtype=np.int32)
+    cached_k, cached_v, cached_slots, new_k, new_v, new_slots = [], [], [], [], [], []
+    start = 0
+    for b, (q_len, seq_len) in enumerate(reqs):
+        n = blocks_per_req[b]
+        block_table[b, :n] = physical[start : start + n]
+        start += n
+        pos = np.arange(seq_len)
+        slots = block_table[b, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        k, v = _normal(rng, (seq_len, hk, d), dtype), _normal(rng, (seq_len, hk, d), dtype)
+        cut = seq_len - q_len
+        cached_k.append(k[:cut]), cached_v.append(v[:cut]), cached_slots.append(slots[:cut])
+        new_k.append(k[cut:]), new_v.append(v[cut:]), new_slots.append(slots[cut:])
+
+    def cat(parts, shape_tail, dt=np.float32):
+        return np.concatenate(parts).astype(dt) if parts else np.zeros((0, *shape_tail), dt)
+
+    meta = AttentionMetadata(
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=cat(new_slots, (), np.int64),
+        max_query_len=int(q_lens.max(initial=0)),
+        max_seq_len=int(seq_lens.max(initial=0)),
+        block_size=block_size,
+    )
+    return {
+        "q": _normal(rng, (int(q_lens.sum()), hq, d), dtype, q_scale),
+        "cached_k": cat(cached_k, (hk, d)), "cached_v": cat(cached_v, (hk, d)),
+        "cached_slots": cat(cached_slots, (), np.int64),
+        "new_k": cat(new_k, (hk, d)), "new_v": cat(new_v, (hk, d)),
+        "meta": meta,
+        "cache_shape": (int(physical.max(initial=0)) + 1, block_size, hk, d),
+        "scale": d**-0.5, "sliding_window": sliding_window, "soft_cap": soft_cap,
+    }
+
+
+def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0):
+    # Router logits spaced >= 0.25 apart so no dtype rounding creates a tie by
+    # accident; `ties` then makes the lowest-id-first rule decide on purpose.
+    logits = np.stack([rng.permutation(e) * 0.5 - 2.0 + rng.uniform(0, 0.1, e) for _ in range(t)]) if t else np.zeros((0, e))
+    for row in logits[: t if ties else 0]:
+        tied = rng.choice(e, size=ties, replace=False)
+        row[tied] = row.max() + 0.5
+    return {
+        "x": _normal(rng, (t, h), dtype),
+        "router_logits": round_to_dtype(logits, dtype),
+        "w13": _normal(rng, (e, 2 * i, h), dtype, h**-0.5),
+        "w2": _normal(rng, (e, h, i), dtype, i**-0.5),
+        "top_k": top_k,
+        "renormalize": renormalize,
+    }
+
+
+def _per_row(value, b, dt) -> np.ndarray:
+    return np.broadcast_to(np.asarray(value, dtype=dt), (b,)).copy() if np.ndim(value) == 0 else np.asarray(value, dt)[:b]
+
+
+def _padded(rows: list[np.ndarray], dt=np.int64, fill=-1) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0) or 1
+    out = np.full((len(rows), width), fill, dtype=dt)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def sample(rng, dtype, temperature, b=4, v=96, top_k=0, top_p=1.0, min_p=0.0, penalties=False,
+           logit_bias=False, logprobs=0, ties=0, same_seed=False):
+    logits = (rng.standard_normal((b, v)) * 3.0).astype(np.float32)
+    for row in logits if ties else ():  # `ties` ids share the row maximum, well above the rest
+        row[rng.choice(v, ties, replace=False)] = row.max() + 2.0
+    seeds = rng.integers(-(2**62), 2**62, b).astype(np.int64)  # uses the high 32 bits too
+    steps = rng.integers(0, 50, b).astype(np.int64)
+    if same_seed:  # rows 0/1 and 2/3 share seed and step: same noise, not same batch slot
+        seeds[1::2], steps[1::2] = seeds[0::2][: b // 2], steps[0::2][: b // 2]
+        logits[1::2] = logits[0::2][: b // 2]
+    params = dict(
+        temperature=_per_row(temperature, b, np.float32), top_k=_per_row(top_k, b, np.int32),
+        top_p=_per_row(top_p, b, np.float32), min_p=_per_row(min_p, b, np.float32),
+        seeds=seeds, steps=steps,
+        presence_penalty=np.zeros(b, np.float32), frequency_penalty=np.zeros(b, np.float32),
+        repetition_penalty=np.ones(b, np.float32), max_num_logprobs=logprobs,
+    )
+    if penalties:  # row 0 has none, so "disabled" is checked in the same batch
+        params["repetition_penalty"] = _per_row([1.0, 1.3, 0.8, 1.5], b, np.float32)
+        params["frequency_penalty"] = _per_row([0.0, 0.4, 0.0, 0.9], b, np.float32)
+        params["presence_penalty"] = _per_row([0.0, 0.6, 1.1, 0.0], b, np.float32)
+        # The best token was generated twice (frequency counts it twice) and
+        # the runner-up is in the prompt, so penalties change greedy choices.
+        best = np.argsort(-logits, axis=1, kind="stable")[:, :2]
+        params["prompt_token_ids"] = _padded([np.append(rng.integers(0, v, rng.integers(0, 6)), best[r, 1]) for r in range(b)])
+        params["output_token_ids"] = _padded([np.append(rng.choice(8, rng.integers(0, 5)) * 7, [best[r, 0]] * 2) for r in range(b)])
+    if logit_bias:
+        rows = [rng.choice(v, rng.integers(0, 4), replace=False) for _ in range(b)]
+        if b:  # ban row 0's argmax so greedy has to move
+            top = int(np.argmax(logits[0]))
+            rows[0] = np.array([top, *[i for i in rows[0] if i != top][:2]])
+        params["logit_bias_ids"] = _padded(rows)
+        values = np.where(params["logit_bias_ids"] >= 0, rng.uniform(-3, 3, params["logit_bias_ids"].shape), 0.0)
+        if b:
+            values[0, 0] = -np.inf
+        params["logit_bias_values"] = values.astype(np.float32)
+    return {"logits": logits, "params": SamplingTensors(**params)}
+
+
+def _per_rank(rng, dtype, world_size=2, shape=(4, 6)) -> list[np.ndarray]:
+    return [_normal(rng, shape, dtype) for _ in range(world_size)]
+
+
+def all_reduce(rng, dtype):
+    return {"xs": _per_rank(rng, dtype)}
+
+
+def all_gather(rng, dtype, dim):
+    return {"xs": _per_rank(rng, dtype), "dim": dim}
+
+
+BUILDERS: dict[str, Any] = {
+    name: globals()[name]
+    for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "moe",
+                 "sample", "all_reduce", "all_gather", "copy_blocks")
+}

@@ -1,0 +1,203 @@
+"""The conformance suite: every available backend on every case, and proof that
+the suite catches the bugs it exists to catch (mutants of the reference)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from infer.backends.cpu_ref import CpuRefBackend
+from infer.primitives.types import round_to_dtype
+from infer.registry import registry
+from infer.testing import all_cases, assert_conforms, cases_for, conformance_params, run_conformance, select
+from infer.testing.collectives import run_collectives
+from infer.testing.conformance import compare
+
+AVAILABLE = sorted(name for name, info in registry().backends.items() if info.available)
+
+
+@pytest.mark.parametrize("backend, case", [p for name in AVAILABLE for p in conformance_params(name)])
+def test_backend_conforms(backend, case):
+    assert_conforms(backend, case)
+
+
+# -- the cases themselves -------------------------------------------------------
+def test_case_ids_are_unique_and_cover_every_primitive():
+    cases = all_cases()
+    assert len({c.id for c in cases}) == len(cases)
+    assert {c.primitive for c in cases} >= {"attention", "kv_write", "moe", "sample", "all_reduce", "all_gather"}
+
+
+def test_inputs_are_deterministic_and_prerounded_to_the_case_dtype():
+    case = next(c for c in all_cases() if c.id == "attention-mixed_gqa3_d64-bf16")
+    a, b = case.inputs(), case.inputs()
+    np.testing.assert_array_equal(a["q"], b["q"])
+    np.testing.assert_array_equal(a["q"], round_to_dtype(a["q"], "bfloat16"))
+
+
+def test_block_boundary_cases_follow_the_preferred_block_size():
+    assert "attention-decode_ctx15_16_17_gqa1_d64-fp32" in {c.id for c in all_cases(16)}
+    extra = {c.id for c in all_cases(128)} - {c.id for c in all_cases(16)}
+    assert "attention-ctx_bs128_boundary_gqa3_d64-fp32" in extra
+    reqs = next(c for c in all_cases(128) if c.name.startswith("ctx_bs128")).params["reqs"]
+    assert [s for _, s in reqs][:3] == [127, 128, 129]
+
+
+def test_cases_for_a_registered_name_uses_its_class_declaration():
+    assert any("bs128" in c.id for c in cases_for("ascend"))  # no NPU needed to list them
+
+
+def test_compare_requires_exact_integers():
+    problems, _, _ = compare({"ids": np.array([1, 2])}, {"ids": np.array([1, 3])}, "bfloat16")
+    assert problems and "ids: 1 of 2 differ" in problems[0]
+
+
+def test_compare_uses_the_dtype_tolerance():
+    want = {"out": np.ones(4, np.float32)}
+    got = {"out": np.full(4, 1.005, np.float32)}
+    assert compare(got, want, "bfloat16")[0] == []
+    assert "outside" in compare(got, want, "float32")[0][0]
+
+
+def test_compare_reports_nan_and_shape_mismatches():
+    want = {"out": np.zeros(3, np.float32)}
+    assert "non-finite" in compare({"out": np.array([0, np.nan, 0], np.float32)}, want, "float32")[0][0]
+    assert "shape" in compare({"out": np.zeros(4, np.float32)}, want, "float32")[0][0]
+
+
+# -- mutants: each breaks one rule of the contract; the suite must notice ------
+class NoSlidingWindow(CpuRefBackend):
+    name = "mutant"
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None):
+        return CpuRefBackend.attention(q, kv_cache, meta, scale, None, soft_cap)
+
+
+class NoSoftCap(CpuRefBackend):
+    name = "mutant"
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None):
+        return CpuRefBackend.attention(q, kv_cache, meta, scale, sliding_window, None)
+
+
+class HighestExpertOnTies(CpuRefBackend):
+    name = "mutant"
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize):
+        # Reversing the expert order turns "lowest id first" into "highest id first".
+        out, counts = CpuRefBackend.moe(x, router_logits[:, ::-1], w13[::-1], w2[::-1], top_k, renormalize)
+        return out, counts[::-1].copy()
+
+
+class WritesPaddedSlots(CpuRefBackend):
+    name = "mutant"
+
+    def kv_write(self, k, v, kv_cache, slot_mapping, scales=None):
+        flat = kv_cache.reshape(2, -1, *kv_cache.shape[3:])
+        flat[0, slot_mapping], flat[1, slot_mapping] = k, v  # -1 lands in the last slot
+
+
+class IgnoresSeed(CpuRefBackend):
+    name = "mutant"
+
+    def sample(self, logits, params):
+        return CpuRefBackend.sample(logits, replace(params, seeds=np.zeros_like(params.seeds)))
+
+
+class IgnoresPenalties(CpuRefBackend):
+    name = "mutant"
+
+    def sample(self, logits, params):
+        return CpuRefBackend.sample(logits, replace(params, repetition_penalty=np.ones_like(params.repetition_penalty),
+                                                    frequency_penalty=np.zeros_like(params.frequency_penalty),
+                                                    presence_penalty=np.zeros_like(params.presence_penalty)))
+
+
+class IgnoresLogitBias(CpuRefBackend):
+    name = "mutant"
+
+    def sample(self, logits, params):
+        return CpuRefBackend.sample(logits, replace(params, logit_bias_ids=None, logit_bias_values=None))
+
+
+class ForgetsResidualSum(CpuRefBackend):
+    name = "mutant"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is None:
+            return CpuRefBackend.rms_norm(x, weight, eps)
+        return CpuRefBackend.rms_norm(x + residual, weight, eps), x
+
+
+class SlightlyOffLinear(CpuRefBackend):
+    name = "mutant"
+
+    def linear(self, x, weight):
+        return CpuRefBackend.linear(x, weight) * np.float32(1.003)
+
+
+class CopiesNoBlocks(CpuRefBackend):
+    name = "mutant"
+
+    def copy_blocks(self, kv_cache, src, dst):
+        pass
+
+
+MUTANTS = [
+    (NoSlidingWindow, "attention", {"sliding_window8_gqa3_d64", "window_soft_cap_gqa8_d128"}),
+    (NoSoftCap, "attention", {"soft_cap_gqa3_d64", "window_soft_cap_gqa8_d128"}),
+    (HighestExpertOnTies, "moe", {"top1_ties_lowest_id", "top2_ties_lowest_id"}),
+    (WritesPaddedSlots, "kv_write", {"padded_minus1_slots"}),
+    (IgnoresPenalties, "sample", {"penalties", "logprobs"}),
+    (IgnoresLogitBias, "sample", {"logit_bias"}),
+    (ForgetsResidualSum, "rms_norm", {"residual_h64", "one_token"}),
+    (CopiesNoBlocks, "copy_blocks", {"two_blocks"}),
+]
+
+
+@pytest.mark.parametrize("mutant, primitive, broken", MUTANTS, ids=[m.__name__ for m, _, _ in MUTANTS])
+def test_suite_fails_exactly_the_cases_a_mutant_breaks(mutant, primitive, broken):
+    report = run_conformance(mutant(), primitives=[primitive])
+    failed = {r.case.name for r in report.results if r.status == "fail"}
+    assert failed == broken, [r.detail for r in report.results if r.status == "fail"]
+    assert not report.ok
+
+
+def test_seeded_sampling_must_match_the_reference_token_for_token():
+    report = run_conformance(IgnoresSeed(), primitives=["sample"])
+    failed = {r.case.name for r in report.results if r.status == "fail"}
+    assert {"temperature", "top_p", "seeded_same_seed_rows"} <= failed
+    assert not failed & {"greedy", "greedy_ties_lowest_id", "empty_batch"}
+    assert "token_ids" in next(r.detail for r in report.results if r.status == "fail")
+
+
+def test_tolerance_is_per_dtype():
+    report = run_conformance(SlightlyOffLinear(), primitives=["linear"], match="k64_n48")
+    status = {r.case.dtype: r.status for r in report.results}
+    assert status == {"float32": "fail", "float16": "fail", "bfloat16": "pass"}
+
+
+def test_results_record_which_backend_provided_the_primitive():
+    report = run_conformance("cpu_ref", primitives=["embedding"], dtypes=["float32"])
+    assert {r.provider for r in report.results} == {"cpu_ref"}
+
+
+def test_collectives_are_skipped_with_a_reason_off_the_cpu():
+    case = select(all_cases(), ["all_reduce"])[0]
+    (res,) = run_collectives(CpuRefBackend(device="cuda:0"), [case])
+    assert res.status == "skip" and "gloo processes on the CPU" in res.detail
+
+
+class SkipsCommunication(CpuRefBackend):
+    name = "mutant"
+
+    def all_reduce(self, x, group=None):
+        return np.array(x)  # each rank keeps its own part
+
+
+def test_collectives_run_in_two_processes_and_catch_a_missing_reduction():
+    cases = select(all_cases(), ["all_reduce"], ["float32"])
+    (res,) = run_collectives(SkipsCommunication(), cases)
+    assert res.status == "fail" and "rank 0" in res.detail, res.detail
