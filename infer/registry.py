@@ -71,7 +71,7 @@ def build_registry(entry_points: bool = True) -> Registry:
         pm.register(importlib.import_module(modname), name=modname)
     if entry_points:
         _load_entry_points(reg)
-    for plugin, classes in _per_plugin(pm, "infer_register_backends"):
+    for plugin, classes in _per_plugin(reg, "infer_register_backends"):
         for cls in classes or ():
             label = _plugin_label(pm, plugin)
             if not (isinstance(cls, type) and issubclass(cls, Backend) and cls.name):
@@ -81,15 +81,21 @@ def build_registry(entry_points: bool = True) -> Registry:
                 reg.broken[label] = f"backend name '{cls.name}' already registered by {reg.backends[cls.name].plugin}"
                 continue
             reg.backends[cls.name] = BackendInfo(cls.name, cls, label, _availability(cls), cls.description)
-    for _, models in _per_plugin(pm, "infer_register_models"):
+    for _, models in _per_plugin(reg, "infer_register_models"):
         reg.models.update(models or {})
     return reg
 
 
-def _per_plugin(pm: pluggy.PluginManager, hook_name: str):
-    """Call a hook plugin by plugin so a result can be traced to its plugin."""
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        yield impl.plugin, impl.function()
+def _per_plugin(reg: Registry, hook_name: str):
+    """Call a hook plugin by plugin, so a result can be traced to its plugin
+    and a plugin whose hook raises is reported instead of taking infer down."""
+    for impl in getattr(reg.pm.hook, hook_name).get_hookimpls():
+        try:
+            result = impl.function()
+        except Exception as exc:
+            reg.broken[_plugin_label(reg.pm, impl.plugin)] = f"{hook_name}() raised {type(exc).__name__}: {exc}"
+            continue
+        yield impl.plugin, result
 
 
 def _load_entry_points(reg: Registry) -> None:
@@ -152,6 +158,35 @@ class Ops:
             except BackendUnavailableError:
                 continue  # reported by `coverage`; calling it raises AttributeError
             setattr(self, prim, fn)
+        self._check_cache_layout()
+
+    def provider(self, primitive: str, **kw: Any) -> Backend:
+        """The backend instance that runs `primitive`."""
+        name = self.resolve(primitive, **kw)[1]
+        return next(b for b in self._chain if b.name == name)
+
+    def prepare_metadata(self, meta):
+        """Step metadata prepared by the backend that runs attention, so a plan
+        it attaches reaches its own kernel even when it is a fallback."""
+        return self.provider("attention").prepare_metadata(meta)
+
+    def prepare_weight(self, weight):
+        return self.provider("linear", weight_kind=weight.kind).prepare_weight(weight)
+
+    def _check_cache_layout(self) -> None:
+        # kv_write, attention and the cache itself must agree on the layout; a
+        # fallback with another layout would read garbage silently.
+        probe = (3, 16, 2, 8)
+        own = self.backend.kv_cache_shape(*probe)
+        for prim in ("kv_write", "attention"):
+            try:
+                other = self.provider(prim)
+            except BackendUnavailableError:
+                continue
+            if other is not self.backend and other.kv_cache_shape(*probe) != own:
+                raise BackendUnavailableError(
+                    f"backend '{self.backend.name}' lays out its KV cache as {self.backend.kv_cache_layout} but takes "
+                    f"{prim} from '{other.name}', which expects {other.kv_cache_layout}; implement {prim} or keep the layout")
 
     def resolve(self, primitive: str, **kw: Any) -> tuple[Callable, str]:
         """(implementation, name of the backend providing it) for `primitive`."""

@@ -198,7 +198,7 @@ class LLMEngine:
                 be.copy_blocks(cache, src, dst)
         mi = out.model_input()
         logits = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions), be.asarray(mi.logits_indices),
-                                     be.prepare_metadata(mi.attn_metadata))
+                                     self.ops.prepare_metadata(mi.attn_metadata))
         rows, comps = [], []
         for row, rid in enumerate(mi.sample_request_ids):
             comp = self._completions[rid]

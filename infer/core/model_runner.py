@@ -41,7 +41,7 @@ class ModelRunner:
         key = (call.params["weight"], call.params.get("bias"))
         if key not in self._handles:
             bias = self.tensors[key[1]] if key[1] else None
-            self._handles[key] = self.backend.prepare_weight(DenseWeight(self.tensors[key[0]], bias))
+            self._handles[key] = self.ops.prepare_weight(DenseWeight(self.tensors[key[0]], bias))
         return self._handles[key]
 
     def _rope_cache(self, rotary_dim: int):

@@ -3,8 +3,8 @@
 Every backend implements a primitive as a method of the same name and
 signature. ``T`` is the number of flattened tokens in a step, ``B`` the number
 of requests, ``H`` the hidden size, ``D`` the head dim. Float tensors are
-float32, float16 or bfloat16 (inputs share one dtype; results have it too
-unless stated). Reductions (norms, softmax, GEMM accumulation) happen in at
+float32, float16 or bfloat16 (inputs share one dtype; results have the
+backend's storage dtype for it unless stated). Reductions (norms, softmax, GEMM accumulation) happen in at
 least float32. The executable form of each semantic is in
 `infer.backends.cpu_ref`.
 
@@ -46,7 +46,7 @@ attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None) -> [T, H
     ``p - j < W``. Softmax in float32.
 
 moe(x, router_logits, w13, w2, top_k, renormalize) -> (out [T, H], tokens_per_expert [E])
-    x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate rows then up rows),
+    x [T, H], router_logits [T, E] (x's dtype or float32), w13 [E, 2I, H] (gate rows then up rows),
     w2 [E, H, I]. Gating: float32 softmax over E, the top_k experts per token
     (lowest expert id first on ties), weights renormalised to sum to 1 when
     ``renormalize``. Each chosen expert e computes

@@ -1,0 +1,239 @@
+"""Paged KV blocks: the pool, per-request block tables, ref counts, prefix
+caching by hash chains, and copy-on-write for forked requests.
+
+The manager owns block ids only; the KV itself lives in the backend's cache,
+which the engine indexes with the tables and slot mappings built from here.
+Every allocating call answers False (or an empty hit) when the pool cannot
+serve it, leaving the state as it was, so the scheduler can preempt instead of
+crashing.
+
+Prefix caching: the KV of a FULL block depends only on the tokens up to its
+end, so each full block is named by ``sha256(parent_hash + its token ids)``,
+a chain rooted at the request's cache salt. Blocks whose owners all finished
+stay in the free queue with their hash until evicted, least recently used
+first, and a later request with the same prefix takes them instead of
+recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """Parent hash of a request's first block: the salt, so salts never share blocks."""
+    return hashlib.sha256(b"infer-kv-root:" + (cache_salt or "").encode()).digest()
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block: its tokens chained to its parent's 32-byte hash.
+
+    sha256 rather than Python's 64-bit `hash`: a collision would hand one
+    request another's KV (wrong output, or a leak between tenants), and
+    sha256 collisions cannot be found, let alone crafted. Fixed-width int64
+    tokens after a fixed-width parent make the encoding unambiguous.
+    """
+    return hashlib.sha256(parent_hash + np.asarray(token_ids, dtype="<i8").tobytes()).digest()
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    # Number of requests whose block table holds this block.
+    ref_cnt: int = 0
+    # Set once the block is full and registered in the prefix cache.
+    block_hash: bytes | None = None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups in tokens, counted once per admission of a request."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockManager:
+    """A pool of `num_blocks` KV blocks of `block_size` tokens each."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"BlockManager needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks nobody holds, least recently used first; cached ones among
+        # them keep their hash until they are taken for new tokens.
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_block_hash_to_block: dict[bytes, Block] = {}
+        self.req_to_blocks: dict[str, list[Block]] = {}
+        # Leading blocks of each request already registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._block_copies: list[tuple[int, int]] = []
+
+    # -- usage ---------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (evictable cached ones included)."""
+        return len(self.free_block_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage in [0, 1]."""
+        return self.num_used_blocks / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # -- prefix cache ----------------------------------------------------------
+    def block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """Hashes of the request's first `num_full_blocks` blocks, extending its cache."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request with no blocks: (block ids, tokens).
+
+        The last token is never a hit: a step must compute at least one token
+        to produce the logits the next token is sampled from.
+        """
+        if not self.enable_prefix_caching or request.request_id in self.req_to_blocks:
+            return [], 0
+        hit: list[int] = []
+        for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = self.cached_block_hash_to_block.get(h)
+            if block is None:
+                break
+            hit.append(block.block_id)
+        return hit, len(hit) * self.block_size
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching or request.request_id not in self.req_to_blocks:
+            return
+        rid, blocks = request.request_id, self.req_to_blocks[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        hashes = self.block_hashes(request, num_full)
+        for i in range(self.num_cached_blocks[rid], num_full):
+            block, h = blocks[i], hashes[i]
+            # A block already named (shared from a fork parent) keeps its name; a
+            # duplicate of content cached elsewhere stays unnamed, freed as plain.
+            if block.block_hash is None and h not in self.cached_block_hash_to_block:
+                block.block_hash = h
+                self.cached_block_hash_to_block[h] = block
+        self.num_cached_blocks[rid] = num_full
+
+    # -- allocation --------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_block_ids: Sequence[int] = ()) -> bool:
+        """Give the request room for `num_new_tokens` more tokens; False if the pool can't.
+
+        `new_computed_block_ids` is a hit from `get_computed_blocks`, taken on the
+        request's first allocation. Writing into a block shared with a fork
+        relative first moves the writer to a private copy (see `pop_block_copies`).
+        """
+        rid, bs = request.request_id, self.block_size
+        blocks = self.req_to_blocks.get(rid, [])
+        hit = [self.blocks[i] for i in new_computed_block_ids]
+        num_computed = request.num_computed_tokens + len(hit) * bs
+        num_required = cdiv(num_computed + num_new_tokens, bs)
+        num_fresh = max(0, num_required - len(blocks) - len(hit))
+        # Existing blocks this step writes into that another request also holds.
+        shared = [i for i in range(num_computed // bs, len(blocks)) if blocks[i].ref_cnt > 1]
+        # A hit resting in the free queue leaves it, so it costs a free block too.
+        num_evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)
+        if num_fresh + len(shared) + num_evictable_hits > self.num_free_blocks:
+            return False
+
+        if rid not in self.req_to_blocks:
+            self.req_to_blocks[rid] = blocks
+            self.num_cached_blocks[rid] = len(hit)
+            if self.enable_prefix_caching:
+                self.prefix_cache_stats.queries += request.num_tokens
+                self.prefix_cache_stats.hits += len(hit) * bs
+        for block in hit:
+            if block.ref_cnt == 0:
+                del self.free_block_queue[block.block_id]
+            block.ref_cnt += 1
+        blocks.extend(hit)
+        for i in shared:
+            copy = self._pop_free_block()
+            self._block_copies.append((blocks[i].block_id, copy.block_id))
+            blocks[i].ref_cnt -= 1  # still >= 1: the relatives keep it
+            blocks[i] = copy
+        blocks.extend(self._pop_free_block() for _ in range(num_fresh))
+        return True
+
+    def pop_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies pending since the last call.
+
+        The engine applies them in order, before the step's forward pass, so the
+        copy holds the shared block's content from before this step's writes.
+        """
+        copies, self._block_copies = self._block_copies, []
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Let `child_id` share every block of `parent_id` (copy-on-write later)."""
+        if child_id in self.req_to_blocks:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        blocks = self.req_to_blocks[parent_id]
+        for block in blocks:
+            block.ref_cnt += 1
+        self.req_to_blocks[child_id] = list(blocks)
+        self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks (no-op if it holds none)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)
+        if blocks is None:
+            return
+        freed = set()
+        # Reverse order: a prefix's tail sits nearer the eviction end than its
+        # head, so the blocks most requests share survive longest.
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                freed.add(block.block_id)
+                self.free_block_queue[block.block_id] = None
+                if block.block_hash is None:
+                    # Nothing reusable in it: first in line for eviction.
+                    self.free_block_queue.move_to_end(block.block_id, last=False)
+        if freed and self._block_copies:
+            # A copy into a block that is free again is wasted work, and the
+            # block may be reused before the engine would perform it.
+            self._block_copies = [(s, d) for s, d in self._block_copies if d not in freed]
+
+    def _pop_free_block(self) -> Block:
+        block_id, _ = self.free_block_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict it from the prefix cache
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block

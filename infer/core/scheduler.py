@@ -1,0 +1,300 @@
+"""Continuous batching, vLLM V1 style: one token budget per step, no phases.
+
+Each step the scheduler fills `max_num_batched_tokens` in two passes:
+
+1. Running requests, in admission order: each takes what it has left to
+   compute, i.e. one token for a decode or the next chunk of a prompt. When the
+   pool has no block for it, the scheduler preempts the newest running request
+   ('fcfs') or the one ranked last ('priority'), by recompute: its blocks are
+   freed, its computed tokens forgotten, and it goes back to the waiting queue,
+   where its rank puts it ahead of later arrivals. If the request itself is the
+   one ranked last, it is preempted and the pass stops.
+2. Waiting requests, in policy order, while budget, `max_num_seqs` and blocks
+   last, and only in a step that preempted nobody. A prefix-cache hit skips the
+   prompt's cached blocks. A request that cannot get its blocks stays at the
+   head of the queue (backpressure) until running ones finish.
+
+Prompts longer than the remaining budget are chunked over steps
+(`enable_chunked_prefill`), and `long_prefill_token_threshold` caps one
+request's chunk so a long prompt cannot starve the decodes of others.
+
+Priority with aging: the waiting queue is ordered by
+``priority + arrival_time / priority_aging_s`` (ties by arrival, then by
+add order). Waiting `priority_aging_s` seconds is thus worth one priority
+level: a request of priority p is overtaken only by requests of priority q < p
+that arrive less than ``(p - q) * priority_aging_s`` seconds after it, so it
+cannot starve. The rank never changes once a request arrived, so the queue
+stays a heap.
+
+The engine drives it: `add_request`, then per step `schedule()`, the forward
+pass on ``output.model_input()``, and `update_from_output` with the sampled
+tokens. Stop conditions (EOS, max_tokens, stop strings) belong to the engine and
+arrive as `stop_checker`; the scheduler itself stops only at `max_model_len`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .block_manager import BlockManager, PrefixCacheStats, cdiv
+from .config import CacheConfig, SchedulerConfig
+from .request import Request, RequestStatus
+from .scheduler_output import ScheduledRequest, SchedulerOutput
+
+# Returns a FINISHED_* status when the request must stop after its latest token.
+StopChecker = Callable[[Request], "RequestStatus | None"]
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_used_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    prefix_cache: PrefixCacheStats
+
+
+class Scheduler:
+    """Continuous-batching scheduler over one BlockManager (see the module doc)."""
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, stop_checker: StopChecker | None = None
+    ):
+        if not cache_config.is_resolved:
+            raise ValueError(
+                "Scheduler needs a resolved CacheConfig (block_size and num_blocks set): call CacheConfig.resolve"
+            )
+        self.config = scheduler_config
+        self.block_size = bs = cache_config.block_size
+        self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching)
+        # Unset (no model to ask): the longest context the pool, and without
+        # chunking one step's budget, can hold.
+        self.max_model_len = scheduler_config.max_model_len or cache_config.num_blocks * bs
+        if not scheduler_config.max_model_len and not scheduler_config.enable_chunked_prefill:
+            self.max_model_len = min(self.max_model_len, scheduler_config.max_num_batched_tokens)
+        # So a lone request can always grow to max_model_len: without it,
+        # preemption could not make room and the request would never finish.
+        if cdiv(self.max_model_len, bs) > cache_config.num_blocks:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs {cdiv(self.max_model_len, bs)} KV blocks of {bs} tokens "
+                f"but the cache has {cache_config.num_blocks}; lower max_model_len or enlarge the KV cache"
+            )
+        scheduler_config.check_fits_unchunked(self.max_model_len)
+        self.stop_checker = stop_checker
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        # Heap of (rank, arrival_time, add order, request).
+        self.waiting: list[tuple[float, float, int, Request]] = []
+        self._add_order: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._finished_ids: list[str] = []
+        self._last_output: SchedulerOutput | None = None
+        self._step_forks: list[ScheduledRequest] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never be served."""
+        rid, n = request.request_id, request.num_tokens
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already scheduled; request ids must be unique")
+        if n == 0:
+            raise ValueError(f"request {rid!r} has an empty prompt; give at least one token")
+        # max_model_len fits the pool (checked at init), so this also rejects
+        # every prompt needing more blocks than the pool has.
+        if n > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: {n} tokens exceed max_model_len={self.max_model_len} "
+                f"({self.block_manager.num_blocks} KV blocks of {self.block_size}); shorten the prompt"
+            )
+        request.status, request.num_computed_tokens = RequestStatus.WAITING, 0
+        self.requests[rid] = request
+        self._add_order[rid] = next(self._counter)
+        self._push_waiting(request)
+
+    def fork_request(self, parent_id: str, child_id: str, sampling_params: Any = None) -> Request:
+        """A copy of a live request that shares its KV blocks (n > 1 sampling).
+
+        Forked between `schedule()` and `update_from_output`, the child mirrors
+        the parent's step: it takes its own sampled token from the same logits
+        (pass it under `child_id`). Parent and child then write into shared
+        blocks only after copy-on-write (see `SchedulerOutput.block_copies`).
+        """
+        parent = self.requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"cannot fork unknown or finished request {parent_id!r}")
+        if child_id in self.requests:
+            raise ValueError(f"request {child_id!r} is already scheduled; request ids must be unique")
+        child = parent.fork(child_id, sampling_params)
+        self.requests[child_id] = child
+        self._add_order[child_id] = next(self._counter)
+        if parent.status != RequestStatus.RUNNING:
+            child.status, child.num_computed_tokens = RequestStatus.WAITING, 0
+            self._push_waiting(child)
+            return child
+        self.block_manager.fork(parent_id, child_id)
+        self.running.append(child)
+        for s in self._last_output.scheduled if self._last_output else ():
+            if s.request is parent:
+                mirror = ScheduledRequest(child_id, s.start, s.num_tokens, s.token_ids, s.block_ids, s.do_sample, child)
+                self._step_forks.append(mirror)
+        return child
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is not live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            num_used_blocks=bm.num_used_blocks,
+            num_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache=PrefixCacheStats(bm.prefix_cache_stats.queries, bm.prefix_cache_stats.hits),
+        )
+
+    # -- the step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        num_new: dict[str, int] = {}  # request id -> tokens this step, in batch order
+        preempted: list[str] = []
+
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            if budget == 0 or len(num_new) == cfg.max_num_seqs:
+                break
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            while not bm.allocate_slots(req, n):
+                victim = self._preemption_victim()
+                budget += num_new.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # it preempted itself: the pool is exhausted
+            num_new[req.request_id] = n
+            budget -= n
+
+        while self.waiting and not preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0][-1]
+            hit_block_ids, num_hit = bm.get_computed_blocks(req)
+            n = self._num_new_tokens(req, num_hit, budget)
+            if not cfg.enable_chunked_prefill and n < req.num_tokens - num_hit:
+                break  # the whole prompt must fit one step
+            if not bm.allocate_slots(req, n, hit_block_ids):
+                break  # backpressure: it waits at the head until blocks free up
+            heapq.heappop(self.waiting)
+            req.status, req.num_computed_tokens = RequestStatus.RUNNING, num_hit
+            self.running.append(req)
+            num_new[req.request_id] = n
+            budget -= n
+
+        scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in num_new.items()]
+        finished, self._finished_ids = self._finished_ids, []
+        self._last_output = SchedulerOutput(scheduled, bm.pop_block_copies(), preempted, finished, self.block_size)
+        self._step_forks = []
+        return self._last_output
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        """Record a computed step: advance requests, append their sampled tokens,
+        finish the ones that stop, cache newly full blocks. Returns the finished."""
+        if output is not self._last_output:
+            raise ValueError("update_from_output takes the output of the latest schedule(), once")
+        entries = output.scheduled + self._step_forks
+        # Requests aborted since schedule() are skipped and need no token.
+        live = [s for s in entries if s.request.status == RequestStatus.RUNNING]
+        missing = [s.request_id for s in live if s.do_sample and s.request_id not in sampled_token_ids]
+        if missing:
+            raise KeyError(f"no sampled token for requests {missing}, which this step samples")
+        self._last_output, self._step_forks = None, []
+        finished = []
+        for s in live:
+            req = s.request
+            req.num_computed_tokens = s.seq_len
+            status = None
+            if s.do_sample:
+                req.append_output_token(sampled_token_ids[s.request_id])
+                status = self._check_stop(req)
+            self.block_manager.cache_blocks(req)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    # -- helpers ---------------------------------------------------------------------
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        n = req.num_tokens - num_computed
+        if self.config.long_prefill_token_threshold:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return min(n, budget)
+
+    def _rank(self, req: Request) -> float:
+        cfg = self.config
+        if cfg.policy == "fcfs":
+            return 0.0
+        return req.priority + (req.arrival_time / cfg.priority_aging_s if cfg.priority_aging_s else 0.0)
+
+    def _push_waiting(self, req: Request) -> None:
+        entry = (self._rank(req), req.arrival_time, self._add_order[req.request_id], req)
+        heapq.heappush(self.waiting, entry)
+
+    def _preemption_victim(self) -> Request:
+        if self.config.policy == "fcfs":
+            return self.running[-1]  # the newest admitted
+        return max(self.running, key=lambda r: (self._rank(r), r.arrival_time, self._add_order[r.request_id]))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status, req.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(req)
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        status = self.stop_checker(req) if self.stop_checker else None
+        if status is not None:
+            if not status.is_finished:
+                raise ValueError(
+                    f"stop_checker returned {status!r} for {req.request_id!r}; expected a FINISHED_* status or None"
+                )
+            return status
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting = [e for e in self.waiting if e[-1] is not req]
+            heapq.heapify(self.waiting)
+        self.block_manager.free(req.request_id)
+        req.status = status
+        del self.requests[req.request_id]
+        del self._add_order[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _scheduled_request(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + n]
+        block_ids = self.block_manager.get_block_ids(req.request_id)
+        return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n == req.num_tokens, req)

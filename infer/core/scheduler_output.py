@@ -1,0 +1,130 @@
+"""What one step computes: the scheduler's decision and the model inputs built from it.
+
+`SchedulerOutput.model_input()` turns the decision into the flat NumPy arrays
+of the batch convention (DESIGN.md): every scheduled token of every request,
+prefill chunks and decodes mixed, concatenated in the order of `scheduled`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..primitives.types import AttentionMetadata
+from .request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    start       tokens already in the cache: position of the first token computed now.
+    num_tokens  tokens computed this step (a prompt chunk, a recompute, or 1 to decode).
+    token_ids   those tokens: ``request.all_token_ids[start : start + num_tokens]``.
+    block_ids   the request's block table, covering ``start + num_tokens`` tokens.
+    do_sample   whether this step reaches the request's last known token, so the
+                logits of its last row are sampled (False for a partial prefill).
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    block_ids: list[int]
+    do_sample: bool
+    request: Request = field(repr=False)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length once this step's tokens are computed."""
+        return self.start + self.num_tokens
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """Host arrays of one step; the backend moves them once (`prepare_metadata`).
+
+    input_ids           [T] int64, scheduled tokens, flattened.
+    positions           [T] int64, position of each in its request.
+    attn_metadata       AttentionMetadata (query_start_loc, seq_lens, block_table,
+                        slot_mapping, max_query_len, max_seq_len, block_size).
+    logits_indices      [S] int64, rows of `input_ids` whose logits are sampled
+                        (the last row of each request with do_sample).
+    sample_request_ids  the request of each entry of `logits_indices`.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    attn_metadata: AttentionMetadata
+    logits_indices: np.ndarray
+    sample_request_ids: list[str]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The scheduler's decision for one step.
+
+    scheduled              requests computed this step, in batch order.
+    block_copies           (src, dst) block copies the engine performs, in order,
+                           before the forward pass (copy-on-write of forks).
+    preempted_request_ids  requests that lost their blocks this step and went
+                           back to waiting; they will recompute their KV.
+    finished_request_ids   requests finished or aborted since the previous step,
+                           so per-request state elsewhere can be dropped.
+    block_size             tokens per KV block.
+    """
+
+    scheduled: list[ScheduledRequest]
+    block_copies: list[tuple[int, int]]
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]
+    block_size: int
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def model_input(self) -> ModelInput:
+        """Build the step's flat token arrays and attention metadata."""
+        bs, scheduled = self.block_size, self.scheduled
+        q_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int32)
+        seq_lens = np.array([s.seq_len for s in scheduled], dtype=np.int32)
+        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        max_blocks = max((len(s.block_ids) for s in scheduled), default=0)
+        block_table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for b, s in enumerate(scheduled):
+            block_table[b, : len(s.block_ids)] = s.block_ids
+        # Position of every row, then its slot through its request's block table.
+        row_req = np.repeat(np.arange(len(scheduled)), q_lens)
+        offset_in_query = np.arange(num_tokens) - query_start_loc[row_req]
+        positions = (seq_lens - q_lens)[row_req].astype(np.int64) + offset_in_query
+        slot_mapping = block_table[row_req, positions // bs].astype(np.int64) * bs + positions % bs
+        input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64, count=num_tokens)
+        sampled = [b for b, s in enumerate(scheduled) if s.do_sample]
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            max_query_len=int(q_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            block_size=bs,
+        )
+        return ModelInput(
+            input_ids=input_ids,
+            positions=positions,
+            attn_metadata=meta,
+            logits_indices=(query_start_loc[1:][sampled] - 1).astype(np.int64),
+            sample_request_ids=[scheduled[b].request_id for b in sampled],
+        )
