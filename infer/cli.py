@@ -200,7 +200,9 @@ def add_conformance(sub) -> None:
     p.set_defaults(func=cmd_conformance)
 
 
-COMMANDS: list[Callable] = [add_backends, add_conformance]
+from .cli_model import add_graph, add_run  # noqa: E402  (model commands import the engine lazily)
+
+COMMANDS: list[Callable] = [add_run, add_graph, add_backends, add_conformance]
 
 
 def build_parser() -> argparse.ArgumentParser:

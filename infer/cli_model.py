@@ -1,0 +1,148 @@
+"""`infer run` (generate with a real model, streaming) and `infer graph`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .core.engine import EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags under vLLM's names, shared by run, serve and bench."""
+    p.add_argument("--model", default="smollm2", help="HF directory, .gguf file or alias (default: smollm2)")
+    p.add_argument("--backend", default="auto", help="auto|cpu_ref|torch|cuda|ascend|<plugin> (auto: cuda, ascend, torch)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default=None, help="torch device for the backend (default: the backend's)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (all layers)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
+    names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "block_size", "kv_cache_memory", "num_gpu_blocks_override", "enable_prefix_caching",
+             "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed")
+    return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
+
+
+# -- infer run ------------------------------------------------------------------
+def add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate text with a model, streamed to the terminal")
+    p.add_argument("prompt", nargs="?", help="the prompt (default: read from stdin)")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation_config, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: when the model has one)")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .core.engine import LLMEngine
+    from .core.sampling_params import SamplingParams
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        print("infer run: empty prompt; pass one as an argument or on stdin", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    try:
+        engine = LLMEngine(engine_args(args, max_num_seqs=min(args.max_num_seqs, 4), show_progress=None))
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"infer run: {exc}", file=sys.stderr)
+        return 2
+    load_s = time.time() - t0
+    gen = engine.generation_config
+    params = SamplingParams(
+        temperature=args.temperature if args.temperature is not None else float(gen.get("temperature", 0.0)),
+        top_p=args.top_p if args.top_p is not None else float(gen.get("top_p", 1.0)),
+        top_k=args.top_k if args.top_k is not None else int(gen.get("top_k", 0)),
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, seed=args.seed,
+    )
+    use_chat = args.chat if args.chat is not None else engine.chat_template is not None
+    request = prompt
+    if use_chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        if engine.chat_template is None:
+            print("infer run: --chat given but the model has no chat template", file=sys.stderr)
+            return 2
+        ids = engine.tokenizer.apply_chat_template(messages, chat_template=engine.chat_template,
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+        request = {"prompt_token_ids": list(ids)}
+    try:
+        engine.add_request("run", request, params)
+    except ValueError as exc:
+        print(f"infer run: {exc}", file=sys.stderr)
+        return 2
+    start, first, shown, out = time.time(), None, 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            if len(text) > shown:
+                first = first or time.time()
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+    end = time.time()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    comp = out.outputs[0]
+    n = len(comp.token_ids)
+    decode_s = end - (first or end)
+    print(f"[{engine.backend.name}, {engine.dtype}] load {load_s:.1f} s | prompt {len(out.prompt_token_ids)} tokens, "
+          f"first token {((first or end) - start) * 1000:.0f} ms | {n} tokens in {end - start:.2f} s"
+          + (f", decode {max(n - 1, 0) / decode_s:.1f} tok/s" if decode_s > 0 else "")
+          + f" | finish: {comp.finish_reason}", file=sys.stderr)
+    return 0
+
+
+# -- infer graph ------------------------------------------------------------------
+def add_graph(sub) -> None:
+    p = sub.add_parser("graph", help="print a model's graph lowered to meta-primitives; export it to ONNX")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--backend", default="auto", help="whose fused nodes to honour while lowering")
+    p.add_argument("--onnx", default=None, metavar="PATH", help="write the lowered graph as ONNX (domain 'infer')")
+    p.set_defaults(func=cmd_graph)
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from .core.loader import load_model
+    from .core.lowering import lower
+    from .registry import get_backend, registry
+
+    reg = registry()
+    try:
+        backend = get_backend(args.backend)
+        m = load_model(args.model, load_weights=False, load_tokenizer=False, supported_architectures=reg.models)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"infer graph: {exc}", file=sys.stderr)
+        return 2
+    program = lower(reg.models[m.architecture](m.config), fuses=lambda op, attrs: bool(backend.fuses(op, **attrs)))
+    try:
+        print(program.format())
+    except BrokenPipeError:  # `infer graph | head`
+        return 0
+    if args.onnx:
+        from .core.onnx_export import to_onnx
+
+        import onnx
+
+        onnx.save(to_onnx(program, backend.preferred_block_size), args.onnx)
+        print(f"wrote {args.onnx} (ops of domain 'infer' checked by onnx.checker)", file=sys.stderr)
+    return 0
