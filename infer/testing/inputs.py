@@ -152,7 +152,8 @@ def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0):
 
 
 def _per_row(value, b, dt) -> np.ndarray:
-    return np.broadcast_to(np.asarray(value, dtype=dt), (b,)).copy() if np.ndim(value) == 0 else np.asarray(value, dt)[:b]
+    # A list of per-row values is cycled over the batch, so any b works.
+    return np.resize(np.asarray(value, dtype=dt), b)
 
 
 def _padded(rows: list[np.ndarray], dt=np.int64, fill=-1) -> np.ndarray:
