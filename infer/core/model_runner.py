@@ -7,14 +7,21 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from ..primitives.spec import PRIMITIVES
 from ..primitives.types import AttentionMetadata, DenseWeight
 from .lowering import Call, Program
 from .rope import cos_sin_cache
 
 
+_PRIMITIVE_SET = frozenset(PRIMITIVES)
+
+
 class ModelRunner:
     def __init__(self, program: Program, backend, ops, weights: Mapping[str, np.ndarray], dtype: str,
                  max_positions: int, progress: Callable[[Iterable], Iterable] = iter):
+        """`ops` validates arguments (Ops(backend)); the first forward runs
+        through it, later ones through an unchecked twin, since the program's
+        shapes do not change between steps."""
         self.program, self.backend, self.ops, self.dtype = program, backend, ops, dtype
         self.config = program.graph.config
         self.tensors: dict[str, Any] = {}
@@ -24,7 +31,10 @@ class ModelRunner:
         self._rope: dict[int, Any] = {}
         self.max_positions = max_positions
         self.kv_caches: list[Any] = []
-        self._steps = [self._bind(c) for c in program.calls]
+        fast = type(ops)(backend, validate=False)
+        self._checked_steps = [self._bind(c, ops) for c in program.calls]
+        self._steps = [self._bind(c, fast) for c in program.calls]
+        self._validated = False
 
     # -- binding --------------------------------------------------------------
     def _load_param(self, name: str, weights: Mapping[str, np.ndarray]):
@@ -60,28 +70,35 @@ class ModelRunner:
         itemsize = 4 if self.dtype == "float32" else 2
         return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize * self.program.graph.num_layers
 
-    def _bind(self, c: Call) -> Callable[[dict], None]:
-        ins, outs, a, ops = c.inputs, c.outputs, c.attrs, self.ops
+    def _bind(self, c: Call, ops) -> Callable[[dict], None]:
+        ins, outs, a = c.inputs, c.outputs, c.attrs
         kind = c.primitive
+        static = {"dtype": self.dtype}
+        if kind == "linear":
+            handle = self._linear_weight(c)
+            static["weight_kind"] = handle.kind
+        elif kind == "attention":
+            static.update(head_dim=self.config.head_dim, sliding_window=a["sliding_window"] is not None,
+                          soft_cap=a["soft_cap"] is not None)
+        fn = ops.resolve(kind, **static)[0] if kind in _PRIMITIVE_SET else None
         if kind == "embedding":
             table = self.tensors[c.params["table"]]
             def run(env):
-                env[outs[0]] = ops.embedding(env[ins[0]], table)
+                env[outs[0]] = fn(env[ins[0]], table)
         elif kind == "rms_norm":
             w, eps = self.tensors[c.params["weight"]], a["eps"]
             if len(ins) == 2:
                 def run(env):
-                    env[outs[0]], env[outs[1]] = ops.rms_norm(env[ins[0]], w, eps, residual=env[ins[1]])
+                    env[outs[0]], env[outs[1]] = fn(env[ins[0]], w, eps, residual=env[ins[1]])
             else:
                 def run(env):
                     x = env[ins[0]]
-                    env[outs[0]] = ops.rms_norm(x, w, eps)
+                    env[outs[0]] = fn(x, w, eps)
                     if len(outs) == 2:  # this norm starts the residual stream
                         env[outs[1]] = x
         elif kind == "linear":
-            handle = self._linear_weight(c)
             def run(env):
-                env[outs[0]] = ops.linear(env[ins[0]], handle)
+                env[outs[0]] = fn(env[ins[0]], handle)
         elif kind == "split":
             bounds = np.cumsum((0,) + tuple(a["sizes"]))
             def run(env):
@@ -98,20 +115,20 @@ class ModelRunner:
         elif kind == "rotary":
             cache, neox = self._rope_cache(a["rotary_dim"]), a["neox_style"]
             def run(env):
-                env[outs[0]], env[outs[1]] = ops.rotary(env[ins[0]], env[ins[1]], env[ins[2]], cache, neox)
+                env[outs[0]], env[outs[1]] = fn(env[ins[0]], env[ins[1]], env[ins[2]], cache, neox)
         elif kind == "act_and_mul":
             act = a["kind"]
             def run(env):
-                env[outs[0]] = ops.act_and_mul(env[ins[0]], act)
+                env[outs[0]] = fn(env[ins[0]], act)
         elif kind == "kv_write":
             layer = c.layer
             def run(env):
                 meta = env["meta"]
-                ops.kv_write(env[ins[0]], env[ins[1]], self.kv_caches[layer], meta.slot_mapping)
+                fn(env[ins[0]], env[ins[1]], self.kv_caches[layer], meta.slot_mapping)
         elif kind == "attention":
             layer, scale, window, cap = c.layer, a["scale"], a["sliding_window"], a["soft_cap"]
             def run(env):
-                env[outs[0]] = ops.attention(env[ins[0]], self.kv_caches[layer], env["meta"], scale, window, cap)
+                env[outs[0]] = fn(env[ins[0]], self.kv_caches[layer], env["meta"], scale, window, cap)
         elif kind.startswith("fused_"):
             fn = getattr(self.backend, kind)
             params = {role: self.tensors[name] for role, name in c.params.items()}
@@ -127,6 +144,8 @@ class ModelRunner:
     def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata):
         """Logits [S, vocab] (float32) of the rows in `sample_rows`; all inputs on the device."""
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta}
-        for step in self._steps:
+        steps = self._steps if self._validated else self._checked_steps
+        for step in steps:
             step(env)
+        self._validated = True
         return self.backend.cast(env["logits"], "float32")
