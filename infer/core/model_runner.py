@@ -3,6 +3,7 @@ executes one flattened batch per `forward`."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -21,12 +22,27 @@ class ModelRunner:
                  max_positions: int, progress: Callable[[Iterable], Iterable] = iter):
         """`ops` validates arguments (Ops(backend)); the first forward runs
         through it, later ones through an unchecked twin, since the program's
-        shapes do not change between steps."""
+        shapes do not change between steps.
+
+        `weights` (checkpoint name -> array) is consumed: each entry is dropped
+        once the last parameter built from it exists, so loading never holds
+        the checkpoint and the device copy of all of it at once.
+        """
         self.program, self.backend, self.ops, self.dtype = program, backend, ops, dtype
         self.config = program.graph.config
         self.tensors: dict[str, Any] = {}
-        for name in progress(list(program.graph.params)):
-            self.tensors[name] = self._load_param(name, weights)
+        params = program.graph.params
+        uses = Counter(src for p in params.values() for src in p.sources)
+        built: dict[tuple[str, ...], Any] = {}  # tied parameters share one tensor
+        for name in progress(list(params)):
+            p = params[name]
+            if p.sources not in built:
+                built[p.sources] = self._load_param(name, weights)
+            self.tensors[name] = built[p.sources]
+            for src in p.sources:
+                uses[src] -= 1
+                if uses[src] == 0 and isinstance(weights, dict):
+                    weights.pop(src, None)
         self._handles: dict[tuple, DenseWeight] = {}
         self._rope: dict[int, Any] = {}
         self.max_positions = max_positions
