@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (all layers)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization,
+                   help="fraction of accelerator memory for weights, activations and KV cache")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
@@ -30,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-             "block_size", "kv_cache_memory", "num_gpu_blocks_override", "enable_prefix_caching",
+             "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
              "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed")
     return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
 

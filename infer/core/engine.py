@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..registry import Ops, get_backend, registry
+from ..primitives.types import AttentionMetadata
 from .config import CacheConfig, SchedulerConfig
 from .loader import load_model
 from .lowering import lower
@@ -40,6 +41,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     kv_cache_memory: int | None = None  # bytes, all layers
+    gpu_memory_utilization: float = 0.9  # on accelerators, when kv_cache_memory is not given
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -105,11 +107,40 @@ class LLMEngine:
         if a.num_gpu_blocks_override:
             return CacheConfig(block_size, num_blocks=a.num_gpu_blocks_override,
                                enable_prefix_caching=a.enable_prefix_caching).resolve(block_size)
-        kv_bytes = a.kv_cache_memory or min(MAX_DEFAULT_KV_BYTES, per_token * a.max_num_seqs * self.max_model_len)
+        kv_bytes = a.kv_cache_memory or self._kv_budget(a, per_token, block_size)
         # At least one full context, or the scheduler could never finish a long request.
         kv_bytes = max(kv_bytes, per_token * (self.max_model_len + block_size))
         return CacheConfig(block_size, kv_cache_memory_bytes=kv_bytes,
                            enable_prefix_caching=a.enable_prefix_caching).resolve(block_size, per_token)
+
+    def _kv_budget(self, a: EngineArgs, per_token: int, block_size: int) -> int:
+        """KV pool bytes when the user gave none: on host memory, enough for
+        max_num_seqs full contexts (capped); on an accelerator, what
+        gpu_memory_utilization leaves after profiling one full-budget forward."""
+        mem = self.backend.memory_info()
+        if mem is None:
+            return min(MAX_DEFAULT_KV_BYTES, per_token * a.max_num_seqs * self.max_model_len)
+        if not 0 < a.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+        peak = self._profile_peak(min(a.max_num_batched_tokens or 2048, self.max_model_len), block_size)
+        budget = int(mem[0] * a.gpu_memory_utilization) - peak
+        if budget < per_token * block_size:
+            raise ValueError(f"gpu_memory_utilization={a.gpu_memory_utilization} of {mem[0] / 2**30:.1f} GiB leaves no "
+                             f"room for the KV cache after weights and activations ({peak / 2**30:.2f} GiB); raise it")
+        return budget
+
+    def _profile_peak(self, n: int, block_size: int) -> int:
+        """Peak device bytes of one forward over `n` prompt tokens (weights included)."""
+        be, blocks = self.backend, -(-n // block_size)
+        be.reset_peak_memory()
+        self.runner.allocate_kv_caches(blocks, block_size)
+        meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
+                                 np.arange(blocks, dtype=np.int32)[None], np.arange(n, dtype=np.int64), n, n, block_size)
+        self.runner.forward(be.asarray(np.zeros(n, np.int64)), be.asarray(np.arange(n, dtype=np.int64)),
+                            be.asarray(np.array([n - 1], np.int64)), self.ops.prepare_metadata(meta))
+        be.synchronize()
+        self.runner.kv_caches = []
+        return be.memory_info()[1]
 
     # -- requests ---------------------------------------------------------------
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -138,6 +169,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {request_id!r}: the prompt has {len(ids)} tokens but max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate; shorten the prompt")
+        self._check_params(request_id, params)
         room = self.max_model_len - len(ids)
         if params.max_tokens is None or params.max_tokens > room:
             params = _replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
@@ -147,6 +179,19 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._states[request_id] = state
         self._track(state, req, 0)
+
+    def _check_params(self, request_id: str, p: SamplingParams) -> None:
+        # Checked here, not in the sampler: an out-of-vocabulary id would fail the
+        # whole step, and every later one, for all requests in the batch.
+        for name, ids in (("logit_bias", p.logit_bias or {}), ("stop_token_ids", p.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {request_id!r}: SamplingParams.{name} has token ids {bad[:5]} outside "
+                                 f"the vocabulary [0, {self.vocab_size})")
+        if p.stop_strings and (self.tokenizer is None or not p.detokenize):
+            why = "skip_tokenizer_init=True" if self.tokenizer is None else "detokenize=False"
+            raise ValueError(f"request {request_id!r}: SamplingParams.stop needs the generated text, which "
+                             f"{why} turns off; use stop_token_ids instead")
 
     def _track(self, state: RequestState, req: Request, index: int) -> None:
         p = state.params

@@ -150,5 +150,14 @@ class Backend(ABC):
         """Re-layout a loaded weight once, at load time (default: as is)."""
         return weight
 
+    def memory_info(self) -> tuple[int, int] | None:
+        """(total device bytes, peak bytes this process used since
+        `reset_peak_memory`), or None for host memory, where the KV pool is
+        sized by bytes instead of by `gpu_memory_utilization`."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak for `memory_info` (no-op without device memory)."""
+
     def synchronize(self) -> None:
         """Wait for queued device work (for timing); CPU backends need nothing."""

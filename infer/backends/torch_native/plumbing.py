@@ -41,6 +41,24 @@ class TorchPlumbing(Backend):
     def kv_cache_to_numpy(self, kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
         return self.to_numpy(kv_cache[0]), self.to_numpy(kv_cache[1])
 
+    def _device_module(self):
+        """torch.cuda or torch.npu for an accelerator device, else None."""
+        kind = str(self.device).split(":")[0]
+        return getattr(torch, kind, None) if kind in ("cuda", "npu") else None
+
+    def memory_info(self) -> tuple[int, int] | None:
+        mod = self._device_module()
+        if mod is None:
+            return None
+        _, total = mod.mem_get_info(self.device)
+        return int(total), int(mod.max_memory_reserved(self.device))
+
+    def reset_peak_memory(self) -> None:
+        mod = self._device_module()
+        if mod is not None:
+            mod.empty_cache()
+            mod.reset_peak_memory_stats(self.device)
+
     def synchronize(self) -> None:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
