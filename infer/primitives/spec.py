@@ -58,7 +58,8 @@ sample(logits, params) -> SampleOutput
     `SamplingTensors` for the exact order of penalties, filters and the seeded
     Gumbel noise that makes a seed give the same token on every backend.
 
-all_reduce(x, group=None) -> x summed over the ranks of a torch.distributed group.
+all_reduce(x, group=None) -> x summed over the ranks of a torch.distributed group
+    (x itself may be overwritten; use the result).
 all_gather(x, dim=0, group=None) -> the ranks' x concatenated along ``dim`` in rank order.
 """
 

@@ -88,7 +88,7 @@ class SamplingTensors:
       2. penalties on the raw logits: repetition (tokens seen in prompt or output:
          positive logits divided by r, negative multiplied by r), then
          frequency (minus f * count in output) and presence (minus p if seen in
-         output); then ``logit_bias`` is added.
+         output); then ``logit_bias`` is added (a repeated id adds up).
       3. greedy rows (temperature == 0) take the argmax (lowest id on ties).
       4. other rows: divide by temperature; min_p keeps tokens with
          prob >= min_p * max prob; top_k keeps the k largest logits (ties at the
@@ -97,7 +97,7 @@ class SamplingTensors:
          Each filter sees the renormalised result of the one before.
       5. the token is argmax(filtered_logits + gumbel) where the Gumbel noise is
          the counter-based function of (seed, step, token id) defined by
-         `infer.backends.cpu_ref.sampling.gumbel_noise`; the same seed and step
+         `infer.backends.cpu_ref.noise.gumbel_noise`; the same seed and step
          give the same token on every backend, whatever else is in the batch.
 
     Fields:

@@ -60,6 +60,7 @@ def filter_logits(x: np.ndarray, p: SamplingTensors, b: int) -> np.ndarray:
         preceding = np.cumsum(probs[order]) - probs[order]
         keep = np.zeros(x.shape[0], dtype=bool)
         keep[order[preceding < top_p]] = True
+        keep[order[0]] = True  # the most likely token always survives
         x = np.where(keep, x, -np.inf)
     return x
 

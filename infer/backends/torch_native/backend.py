@@ -1,0 +1,58 @@
+"""`TorchBackend`: the primitives of this folder behind the `Backend` interface."""
+
+from __future__ import annotations
+
+from ...primitives.types import FLOAT_DTYPES, AttentionMetadata, WeightHandle
+from . import collectives, ops
+from . import linear as dense
+from .attention import attention, kv_write, plan_attention
+from .moe import moe
+from .plumbing import TorchPlumbing
+from .sampling import sample
+
+
+class _DistBackend:
+    """``dist_backend`` that follows the instance's device type (nccl on cuda, hccl on npu, else gloo).
+
+    Read on the class (as `infer backends` does) it gives the CPU default.
+    """
+
+    BY_DEVICE_TYPE = {"cuda": "nccl", "npu": "hccl"}
+
+    def __get__(self, backend, owner=None) -> str:
+        if backend is None:
+            return "gloo"
+        return self.BY_DEVICE_TYPE.get(str(backend.device).split(":")[0], "gloo")
+
+
+class TorchBackend(TorchPlumbing):
+    name = "torch"
+    description = "plain PyTorch on any torch device (cpu by default); the fallback other torch backends inherit"
+    dist_backend = _DistBackend()
+    preferred_block_size = 16
+    dtypes = FLOAT_DTYPES
+    weight_kinds = ("dense",)
+    fallback = None
+
+    # -- plumbing -------------------------------------------------------------
+    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Device copies of the step's metadata plus its attention plan, built once on the host."""
+        out = super().prepare_metadata(meta)
+        out.backend_data = plan_attention(meta.query_start_loc, meta.seq_lens).to(self.device)
+        return out
+
+    def prepare_weight(self, weight: WeightHandle) -> WeightHandle:
+        return dense.prepare_weight(weight)
+
+    # -- primitives -------------------------------------------------------------
+    embedding = staticmethod(ops.embedding)
+    rms_norm = staticmethod(ops.rms_norm)
+    rotary = staticmethod(ops.rotary)
+    act_and_mul = staticmethod(ops.act_and_mul)
+    linear = staticmethod(dense.linear)
+    kv_write = staticmethod(kv_write)
+    attention = staticmethod(attention)
+    moe = staticmethod(moe)
+    sample = staticmethod(sample)
+    all_reduce = staticmethod(collectives.all_reduce)
+    all_gather = staticmethod(collectives.all_gather)

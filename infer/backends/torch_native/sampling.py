@@ -1,0 +1,124 @@
+"""`sample`, vectorised over the batch, in the order `SamplingTensors` documents.
+
+Work no row asks for is skipped: no penalty pass without penalties, no noise
+or filters when every row is greedy, top_p only over the rows that set it, and
+noise hashed only for tokens that can still win. Nothing sorts the vocabulary
+(see `ranking`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...primitives.types import SampleOutput, SamplingTensors
+from .noise import gumbel_noise, gumbel_noise_at
+from .ranking import top_p_mask, topk_lowest_id
+
+NEG_INF = float("-inf")
+# Width of the Gumbel noise's range (-log(-log(u)) for u in [2**-25, 1 - 2**-25]) plus a margin.
+GUMBEL_SPAN = 21.0
+
+
+def _token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 occurrences of each token in a -1-padded id matrix."""
+    ids = ids.long()
+    keep = ids >= 0
+    counts = torch.zeros(ids.shape[0], vocab, dtype=torch.float32, device=ids.device)
+    # Padding adds 0 to column 0 instead of needing a spare column.
+    return counts.scatter_add_(1, ids.clamp(min=0), keep.float())
+
+
+def apply_penalties(x: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, then the logit bias (a new tensor when any applies)."""
+    vocab = x.shape[1]
+    use_rep = (p.prompt_token_ids is not None or p.output_token_ids is not None) and bool(
+        (p.repetition_penalty != 1).any()
+    )
+    use_out = p.output_token_ids is not None and bool(((p.frequency_penalty != 0) | (p.presence_penalty != 0)).any())
+    if not (use_rep or use_out or p.logit_bias_ids is not None):
+        return x
+    counts = _token_counts(p.output_token_ids, vocab) if p.output_token_ids is not None else None
+    if use_rep:
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        if counts is not None:
+            seen |= counts > 0
+        if p.prompt_token_ids is not None:
+            seen |= _token_counts(p.prompt_token_ids, vocab) > 0
+        r = p.repetition_penalty.float()[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if use_out:
+        x = x - p.frequency_penalty.float()[:, None] * counts
+        x = x - p.presence_penalty.float()[:, None] * (counts > 0)
+    if p.logit_bias_ids is not None:
+        ids = p.logit_bias_ids.long()
+        keep = ids >= 0
+        bias = torch.where(keep, p.logit_bias_values.float(), 0.0)
+        x = x.scatter_add(1, ids.clamp(min=0), bias)
+    return x
+
+
+def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """Temperature, then min_p, top_k and top_p, each on the renormalised result of the one before."""
+    vocab = x.shape[1]
+    x = x / temperature.float()[:, None]  # a fresh tensor: the filters below work in place
+    if bool((min_p > 0).any()):
+        # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p): no softmax needed.
+        floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p.float())[:, None]
+        x.masked_fill_(x < floor, NEG_INF)
+    k_rows = (top_k > 0) & (top_k < vocab)
+    few_left = None  # tokens left by top_k when it applied to every row: where top_p looks first
+    if bool(k_rows.any()):
+        k_max = int(top_k[k_rows].max())
+        top = torch.topk(x, k_max, dim=-1).values
+        kth = top.gather(1, (top_k.long().clamp(1, k_max) - 1)[:, None])
+        # Ties at the k-th value all stay: the filter is a threshold, not a count.
+        kth = torch.where(k_rows[:, None], kth, NEG_INF)
+        x.masked_fill_(x < kth, NEG_INF)
+        if bool(k_rows.all()):
+            few_left = k_max + 1  # one more shows whether a tie continues past the k-th
+    p_rows = torch.nonzero(top_p < 1).flatten()
+    if p_rows.numel() == x.shape[0]:
+        x.masked_fill_(~top_p_mask(torch.softmax(x, dim=-1), top_p.float(), few_left), NEG_INF)
+    elif p_rows.numel():
+        xs = x.index_select(0, p_rows)
+        keep = top_p_mask(torch.softmax(xs, dim=-1), top_p.float().index_select(0, p_rows), few_left)
+        x.index_copy_(0, p_rows, xs.masked_fill_(~keep, NEG_INF))
+    return x
+
+
+def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """argmax(x + noise) per row, hashing the noise only of tokens that can win.
+
+    The noise lies in [-2.86, 17.33] (24-bit uniforms), so a token more than
+    that span below its row's best logit never wins; filtered (-inf) tokens
+    never do either.
+    """
+    alive = x >= x.max(dim=-1, keepdim=True).values - GUMBEL_SPAN
+    if int(torch.count_nonzero(alive)) * 4 >= x.numel():
+        return gumbel_noise(seeds, steps, x.shape[1]).add_(x).argmax(dim=-1)
+    r, c = torch.nonzero(alive, as_tuple=True)
+    noisy = torch.full_like(x, NEG_INF)
+    noisy[r, c] = x[r, c] + gumbel_noise_at(seeds, steps, r, c)
+    return noisy.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> SampleOutput:
+    n, vocab = logits.shape
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    x = apply_penalties(logits.float(), params)
+    greedy = params.temperature == 0
+    tokens = torch.zeros(n, dtype=torch.int64, device=logits.device)
+    if bool(greedy.any()):
+        tokens = x.argmax(dim=-1)  # documented to return the first maximum
+    rows = torch.nonzero(~greedy).flatten()
+    if rows.numel():
+        every_row = rows.numel() == n  # then row selection would only copy
+        pick = (lambda t: t) if every_row else (lambda t: t.index_select(0, rows))  # noqa: E731
+        per_row = (params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.steps)
+        temperature, top_k, top_p, min_p, seeds, steps = map(pick, per_row)
+        sampled = gumbel_argmax(filter_logits(pick(x), temperature, top_k, top_p, min_p), seeds, steps)
+        tokens = sampled if every_row else tokens.index_copy(0, rows, sampled)
+    out = SampleOutput(token_ids=tokens, logprobs=raw.gather(1, tokens[:, None]).squeeze(1))
+    if params.max_num_logprobs > 0:
+        out.top_logprobs, out.top_token_ids = topk_lowest_id(raw, min(params.max_num_logprobs, vocab))
+    return out
