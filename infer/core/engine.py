@@ -11,7 +11,7 @@ import numpy as np
 
 from ..registry import Ops, get_backend, registry
 from ..primitives.types import AttentionMetadata
-from .config import CacheConfig, SchedulerConfig
+from .config import POLICIES, CacheConfig, SchedulerConfig
 from .loader import load_model
 from .lowering import lower
 from .model_runner import ModelRunner
@@ -55,6 +55,7 @@ class EngineArgs:
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any):
         a = args or EngineArgs(**kwargs)
+        _check_args(a)
         self.args = a
         self.backend = get_backend(a.backend, device=a.device)
         self.ops = Ops(self.backend)
@@ -296,6 +297,16 @@ class LLMEngine:
 
     def stats(self):
         return self.scheduler.get_stats()
+
+
+def _check_args(a: EngineArgs) -> None:
+    """Reject what the engine would otherwise silently replace (0 read as 'unset'), before loading anything."""
+    for name in ("max_model_len", "block_size", "num_gpu_blocks_override", "kv_cache_memory"):
+        value = getattr(a, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer, or None for the default; got {value!r}")
+    if a.scheduling_policy not in POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {a.scheduling_policy!r}")
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

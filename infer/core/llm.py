@@ -34,6 +34,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priority values for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         order = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -1,0 +1,29 @@
+"""Fixtures shared by the engine-level tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def leak_check():
+    """A list of engines; each must end the test with no live request and every KV block free."""
+    engines = []
+    yield engines
+    for engine in engines:
+        bm = engine.scheduler.block_manager
+        assert not engine.has_unfinished_requests(), "the test left requests in the engine"
+        assert not engine.scheduler.has_unfinished_requests(), "the test left requests in the scheduler"
+        assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
+
+
+def pytest_configure(config):
+    # Under xdist every worker would start one torch thread per core: on the
+    # 2-core CI machine that oversubscribes the CPU and small GEMMs slow down
+    # tenfold while threads spin. One thread per worker keeps both cores busy.
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
