@@ -391,7 +391,7 @@ def test_safetensors_header_longer_than_file(saved, tmp_path):
     f = directory / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(struct.pack("<Q", len(data) * 2) + data[8:])
-    with pytest.raises(CorruptCheckpointError, match="header says"):
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt"):
         load_model(directory)
 
 
@@ -400,7 +400,7 @@ def test_safetensors_garbage_header(saved, tmp_path):
     f = directory / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
-    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+    with pytest.raises(CorruptCheckpointError, match="truncated or corrupt"):
         load_model(directory)
 
 

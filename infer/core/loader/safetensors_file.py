@@ -1,17 +1,14 @@
-"""safetensors checkpoints, read with NumPy: single file or index + shards.
+"""safetensors checkpoints, read with the `safetensors` package: a single file
+or an index + shards.
 
-The format is 8 bytes of little-endian header length, a JSON header mapping each
-tensor to its dtype, shape and byte range, then the raw data. Reading it here
-(instead of through the safetensors package) lets every header be checked
-against the file size up front, so a truncated download fails with a clear
-message before any weight is read, and lets BF16 be widened to float32, which
-NumPy cannot represent.
+`safe_open` validates each header against its file (a truncated download
+fails here, before any weight is read); tensors come back through torch so
+BF16 can be widened to float32 exactly (NumPy has no bfloat16).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -23,83 +20,55 @@ from .errors import CorruptCheckpointError, LoaderError, PickledCheckpointError
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-
-# safetensors dtype -> NumPy dtype; BF16 is read as raw uint16 and widened.
-_NUMPY_DTYPES = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
-    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
-}
+# Bytes per element of the safetensors dtypes infer reads.
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 _REFETCH = "re-download or re-save the checkpoint"
 
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     file: Path
+    name: str
     dtype: str  # safetensors name: F32, F16, BF16, ...
     shape: tuple[int, ...]
-    start: int  # absolute offset in the file
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+def _open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({exc}): truncated or corrupt; "
+                                     f"{_REFETCH}") from exc
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor of one .safetensors file, checked against the file's size."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"{path}: only {size} bytes, too short to be safetensors (truncated?); {_REFETCH}")
-        (header_len,) = struct.unpack("<Q", head)
-        if 8 + header_len > size:
-            raise CorruptCheckpointError(
-                f"{path}: header says it is {header_len} bytes but the file holds only {size - 8} after the "
-                f"length field: the file is truncated or not safetensors; {_REFETCH}"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpointError(f"{path}: header is not valid JSON ({exc}): the file is corrupt; {_REFETCH}") from exc
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: header is not a JSON object: the file is corrupt; {_REFETCH}")
-    data_start, data_size = 8 + header_len, size - 8 - header_len
+    """Every tensor of one .safetensors file (the header checked against the file)."""
     entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r}; {_REFETCH}") from exc
-        if dtype not in _NUMPY_DTYPES:
-            raise LoaderError(f"{path}: tensor {name!r} has dtype {dtype}, which infer cannot read "
-                              f"(readable: {', '.join(_NUMPY_DTYPES)}); re-save it as float16 or float32")
-        nbytes = prod(shape) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
-        if end - begin != nbytes or begin < 0:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} spans {end - begin} bytes, but {dtype}{list(shape)} "
-                                         f"needs {nbytes}: the header is corrupt; {_REFETCH}")
-        if end > data_size:
-            raise CorruptCheckpointError(
-                f"{path}: tensor {name!r} ends at byte {end} of the data section, which holds only {data_size} "
-                f"bytes: the file is truncated; {_REFETCH}"
-            )
-        entries[name] = TensorEntry(path, dtype, shape, data_start + begin, nbytes)
+    with _open(path) as f:
+        for name in f.keys():
+            piece = f.get_slice(name)
+            dtype = piece.get_dtype()
+            if dtype not in _ITEMSIZE:
+                raise LoaderError(f"{path}: tensor {name!r} has dtype {dtype}, which infer cannot read "
+                                  f"(readable: {', '.join(_ITEMSIZE)}); re-save it as float16 or float32")
+            entries[name] = TensorEntry(path, name, dtype, tuple(piece.get_shape()))
     return entries
 
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:
     """One tensor as a writable array (BF16 widened to float32, exactly)."""
-    buf = bytearray(entry.nbytes)
-    with open(entry.file, "rb") as f:
-        f.seek(entry.start)
-        got = f.readinto(buf)
-    if got != entry.nbytes:
-        raise CorruptCheckpointError(f"{entry.file}: short read ({got} of {entry.nbytes} bytes); the file changed "
-                                     f"while loading or is truncated; {_REFETCH}")
-    raw = np.frombuffer(buf, dtype=_NUMPY_DTYPES[entry.dtype])
+    with _open(entry.file) as f:
+        t = f.get_tensor(entry.name)
     if entry.dtype == "BF16":
-        # bfloat16 is the top half of a float32: shifting it up is exact.
-        raw = (raw.astype("<u4") << 16).view("<f4")
-    return raw.reshape(entry.shape)
+        t = t.float()
+    return t.numpy()
 
 
 def find_safetensors(directory: Path) -> dict[str, TensorEntry]:
