@@ -200,9 +200,10 @@ def add_conformance(sub) -> None:
     p.set_defaults(func=cmd_conformance)
 
 
+from .bench import add_bench_parser  # noqa: E402
 from .cli_model import add_graph, add_run  # noqa: E402  (model commands import the engine lazily)
 
-COMMANDS: list[Callable] = [add_run, add_graph, add_backends, add_conformance]
+COMMANDS: list[Callable] = [add_run, add_graph, add_bench_parser, add_backends, add_conformance]
 
 
 def build_parser() -> argparse.ArgumentParser:

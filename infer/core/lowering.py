@@ -34,6 +34,17 @@ class Program:
     graph: Graph
     calls: list[Call]
 
+    def dead_after(self, outputs: tuple[str, ...] = ("logits",)) -> list[tuple[str, ...]]:
+        """For each call, the values no later call reads: freeing them as soon
+        as they die keeps one layer's temporaries alive, not every layer's."""
+        live, dead = set(outputs), [()] * len(self.calls)
+        for i in range(len(self.calls) - 1, -1, -1):
+            c = self.calls[i]
+            writes, reads = set(c.outputs), set(c.inputs)
+            dead[i] = tuple(sorted((writes | reads) - live))
+            live = (live - writes) | reads
+        return dead
+
     def format(self) -> str:
         """The program as text: one call per line, with output shapes."""
         lines = [f"# {self.graph.architecture}: {len(self.calls)} calls, {self.graph.num_layers} layers"]

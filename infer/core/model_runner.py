@@ -47,9 +47,11 @@ class ModelRunner:
         self._rope: dict[int, Any] = {}
         self.max_positions = max_positions
         self.kv_caches: list[Any] = []
+        self._prepare_linear_weights()
         fast = type(ops)(backend, validate=False)
         self._checked_steps = [self._bind(c, ops) for c in program.calls]
         self._steps = [self._bind(c, fast) for c in program.calls]
+        self._dead = program.dead_after()
         self._validated = False
 
     # -- binding --------------------------------------------------------------
@@ -69,6 +71,21 @@ class ModelRunner:
             bias = self.tensors[key[1]] if key[1] else None
             self._handles[key] = self.ops.prepare_weight(DenseWeight(self.tensors[key[0]], bias))
         return self._handles[key]
+
+    def _prepare_linear_weights(self) -> None:
+        """Prepare every linear weight before anything binds a tensor, and let
+        the other users of a weight (a tied embedding) read the prepared
+        storage, so a backend's re-layout replaces the checkpoint copy
+        instead of doubling it."""
+        for c in self.program.calls:
+            if c.primitive != "linear":
+                continue
+            original = self.tensors[c.params["weight"]]
+            handle = self._linear_weight(c)
+            if handle.weight is not original:
+                for name, t in self.tensors.items():
+                    if t is original:
+                        self.tensors[name] = handle.weight
 
     def _rope_cache(self, rotary_dim: int):
         if rotary_dim not in self._rope:
@@ -161,7 +178,9 @@ class ModelRunner:
         """Logits [S, vocab] (float32) of the rows in `sample_rows`; all inputs on the device."""
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta}
         steps = self._steps if self._validated else self._checked_steps
-        for step in steps:
+        for step, dead in zip(steps, self._dead):
             step(env)
+            for name in dead:
+                del env[name]
         self._validated = True
         return self.backend.cast(env["logits"], "float32")

@@ -1,0 +1,137 @@
+"""The throughput benchmark's workload, engine settings, and the limits the machine and model set."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+MIB = 1 << 20
+
+
+@dataclass
+class BenchConfig:
+    model: str = "smollm2"
+    backend: str = "torch"
+    num_prompts: int = 32
+    output_len: int = 64
+    min_len: int = 20
+    max_len: int = 200
+    seed: int = 0
+    decode_len: int = 128  # single stream: tokens generated after a short prompt
+    decode_prompt_len: int = 16
+    prefill_len: int = 512
+    repeats: int = 3  # decode and prefill: best of this many, each on a fresh prompt
+    skip_transformers: bool = False
+    threads: int | None = None  # torch intra-op threads in every process; None: torch's default
+    limits_mib: int = 512  # array size of the bandwidth probe
+    gemm_n: int = 2048
+
+
+QUICK = dict(num_prompts=4, output_len=8, min_len=8, max_len=32, decode_len=16, prefill_len=64, repeats=1,
+             limits_mib=64, gemm_n=512)
+
+
+@dataclass
+class Workload:
+    """Token ids shared by both runtimes, so they do exactly the same work."""
+
+    prompts: list[list[int]]
+    output_len: int
+    decode_prompts: list[list[int]]  # one per repeat, fresh so no prefix-cache hit
+    prefill_prompts: list[list[int]]
+    warmup_prompts: list[list[int]] = field(default_factory=list)
+
+
+def make_workload(cfg: BenchConfig, vocab_size: int, special_ids: list[int]) -> Workload:
+    """Random non-special ids with exact lengths drawn from `cfg.seed`."""
+    rng = np.random.default_rng(cfg.seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids, dtype=np.int64))
+
+    def ids(n: int) -> list[int]:
+        return rng.choice(allowed, size=n).tolist()
+
+    lengths = rng.integers(cfg.min_len, cfg.max_len + 1, size=cfg.num_prompts)
+    return Workload(prompts=[ids(int(n)) for n in lengths], output_len=cfg.output_len,
+                    decode_prompts=[ids(cfg.decode_prompt_len) for _ in range(cfg.repeats)],
+                    prefill_prompts=[ids(cfg.prefill_len) for _ in range(cfg.repeats)],
+                    warmup_prompts=[ids(24), ids(40)])
+
+
+def engine_kwargs(cfg: BenchConfig, work: Workload, block_size: int, kv_bytes_per_token: int) -> dict[str, Any]:
+    """infer's settings for the run: every prompt runs at once, the KV pool fits the workload.
+
+    The step budget is the engine's default, 2048 tokens (a 512-token prompt
+    prefills in one step); 4096, one step for the whole workload's prefill,
+    measured no faster here and took a third more peak RSS.
+    """
+    max_model_len = max(cfg.max_len + cfg.output_len, cfg.prefill_len + 1, cfg.decode_prompt_len + cfg.decode_len)
+    blocks = sum(-(-(len(p) + work.output_len) // block_size) for p in work.prompts)
+    kv_tokens = max(blocks, -(-max_model_len // block_size) + 1) * block_size
+    return dict(model=cfg.model, backend=cfg.backend, max_num_seqs=max(32, cfg.num_prompts),
+                max_num_batched_tokens=max(2048, cfg.prefill_len), max_model_len=max_model_len,
+                kv_cache_memory=kv_tokens * kv_bytes_per_token, show_progress=False)
+
+
+def set_threads(cfg: BenchConfig) -> None:
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+
+
+# -- what the machine allows -----------------------------------------------------
+def _best(fn, repeats: int) -> float:
+    fn()  # warm: page faults, thread pool start
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def machine_limits(cfg: BenchConfig) -> dict[str, float]:
+    """Memory bandwidth (GB/s) and fp32 matmul peak (GFLOP/s), best of 5."""
+    import torch
+
+    set_threads(cfg)
+    n = cfg.limits_mib * MIB // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    copy = 2 * src.nbytes / _best(lambda: dst.copy_(src), 5)  # read + write
+    read = src.nbytes / _best(lambda: src.sum(), 5)
+    a, b = torch.randn(cfg.gemm_n, cfg.gemm_n), torch.randn(cfg.gemm_n, cfg.gemm_n)
+    gemm = 2 * cfg.gemm_n ** 3 / _best(lambda: a @ b, 5)
+    return dict(bandwidth_copy_gbs=copy / GB, bandwidth_read_gbs=read / GB, bandwidth_gbs=max(copy, read) / GB,
+                matmul_gflops=gemm / GB, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
+
+
+def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> dict[str, float]:
+    """Bytes read per decode token and FLOPs per prompt token, from a dense model's lowered program.
+
+    Decode reads every linear and norm weight once per step (the embedding
+    table only as one row, unless tied as the LM head) plus the KV of its
+    context. Prefill multiplies every layer weight per token, attends to half
+    the prompt on average, and computes logits for the last token only.
+    """
+    params = runner.program.graph.params
+
+    def size(name: str) -> int:
+        return int(np.prod(params[name].shape))
+
+    linears = {c.params["weight"]: c.outputs[0] == "logits" for c in runner.program.calls if c.primitive == "linear"}
+    norms = {c.params["weight"] for c in runner.program.calls if c.primitive == "rms_norm"}
+    itemsize = 4 if runner.dtype == "float32" else 2
+    by_source = {p.sources: size(n) for n, p in params.items()}  # a tied LM head is the embedding: once
+    layers, hd = config["num_hidden_layers"], config["head_dim"]
+    kv_per_token = 2 * layers * config["num_key_value_heads"] * hd * itemsize
+    head = sum(size(w) for w, is_head in linears.items() if is_head)
+    body = sum(size(w) for w, is_head in linears.items() if not is_head)
+    attn = 4 * layers * config["num_attention_heads"] * hd * (prefill_len + 1) / 2
+    return dict(params=sum(by_source.values()), weight_bytes=sum(by_source.values()) * itemsize,
+                decode_bytes_per_token=(head + body + sum(size(n) for n in norms)) * itemsize + kv_per_token * decode_ctx,
+                prefill_flops_per_token=2 * body + attn + 2 * head / prefill_len)
