@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-GB = 1e9
-MIB = 1 << 20
+from .machine import GB, MIB, measure_bandwidth, measure_peak
 
 
 @dataclass
@@ -85,29 +83,16 @@ def set_threads(cfg: BenchConfig) -> None:
 
 
 # -- what the machine allows -----------------------------------------------------
-def _best(fn, repeats: int) -> float:
-    fn()  # warm: page faults, thread pool start
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def machine_limits(cfg: BenchConfig) -> dict[str, float]:
-    """Memory bandwidth (GB/s) and fp32 matmul peak (GFLOP/s), best of 5."""
+    """Memory bandwidth (GB/s) and fp32 matmul peak (GFLOP/s), best of several kernels."""
     import torch
 
     set_threads(cfg)
-    n = cfg.limits_mib * MIB // 4
-    src, dst = torch.ones(n), torch.empty(n)
-    copy = 2 * src.nbytes / _best(lambda: dst.copy_(src), 5)  # read + write
-    read = src.nbytes / _best(lambda: src.sum(), 5)
-    a, b = torch.randn(cfg.gemm_n, cfg.gemm_n), torch.randn(cfg.gemm_n, cfg.gemm_n)
-    gemm = 2 * cfg.gemm_n ** 3 / _best(lambda: a @ b, 5)
-    return dict(bandwidth_copy_gbs=copy / GB, bandwidth_read_gbs=read / GB, bandwidth_gbs=max(copy, read) / GB,
-                matmul_gflops=gemm / GB, torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
+    bw = measure_bandwidth(cfg.limits_mib, repeats=5, allocations=1)
+    peak = measure_peak(cfg.gemm_n, repeats=5)
+    return dict(bandwidth_copy_gbs=bw["torch copy (read+write)"], bandwidth_read_gbs=bw["torch sum (read)"],
+                bandwidth_gbs=max(bw.values()), matmul_gflops=max(peak.values()),
+                torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
 
 
 def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> dict[str, float]:
