@@ -24,6 +24,14 @@ SHAPES = [(192, 64), (320, 48), (75, 32), (8, 16)]
 ROWS = [1, 2, L.SPLIT_MAX_ROWS, L.SPLIT_MAX_ROWS + 1, L.SPLIT_MAX_ROWS_KMAJOR, L.SPLIT_MAX_ROWS_KMAJOR + 1]
 
 
+@pytest.fixture(autouse=True)
+def two_threads(monkeypatch):
+    """The split layout depends on the intra-op thread count; under xdist each
+    worker runs one thread, so pretend there are two and test the split path
+    whatever the machine (the results must not depend on it)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+
+
 def _case(n, k, t, dtype, bias, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, k, generator=g).to(DTYPES[dtype])
@@ -60,8 +68,6 @@ def test_linear_matches_float64(dtype, n, k, t, bias):
 
 @pytest.mark.parametrize("n,k", [(192, 64), (320, 48)])
 def test_fp32_prepare_picks_the_split_layout(n, k):
-    if torch.get_num_threads() < 2:
-        pytest.skip("one intra-op thread: nothing to split")
     x, w, b = _case(n, k, 1, "float32", True)
     handle = L.prepare_weight(DenseWeight(w, b))
     assert isinstance(handle.prepared, L.CpuSplit)
