@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ class LLMEngine:
         self._check_params(request_id, params)
         room = self.max_model_len - len(ids)
         if params.max_tokens is None or params.max_tokens > room:
-            params = _replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
         req = Request(f"{request_id}#0", ids, params, state.arrival_time, priority, cache_salt)
@@ -307,11 +308,3 @@ def _check_args(a: EngineArgs) -> None:
             raise ValueError(f"{name} must be a positive integer, or None for the default; got {value!r}")
     if a.scheduling_policy not in POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {a.scheduling_policy!r}")
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-
-    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-    fields.update(changes)
-    return SamplingParams(**fields)
