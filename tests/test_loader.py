@@ -15,6 +15,7 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import require_smollm2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -171,10 +172,8 @@ def test_generation_config_json(saved):
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-    try:
-        path, _ = resolve_model_path("smollm2")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+    require_smollm2()
+    path, _ = resolve_model_path("smollm2")
     return path
 
 
