@@ -378,3 +378,21 @@ def test_registered_as_torch_with_gloo_on_cpu_and_every_primitive():
     assert isinstance(backend, TorchBackend) and backend.dist_backend == "gloo" and TorchBackend.dist_backend == "gloo"
     assert set(Ops(backend).coverage().values()) == {"torch"}
     assert TorchBackend(device="cuda:0").dist_backend == "nccl"
+
+
+@pytest.mark.parametrize("q_len, seq_len", [(23, 23), (1, 23), (6, 23)])
+def test_attention_over_blocks_in_cache_order(q_len, seq_len):
+    """Blocks lying in cache order are read as a slice of the cache; a new block table drops the step's memo."""
+    q, cache, meta, dense = paged_batch([q_len], [seq_len], 3, 16, 4)
+    n = -(-seq_len // 4)
+    ordered = cache.clone()
+    ordered[:, 1 : n + 1] = cache[:, torch.as_tensor(meta.block_table[0, :n]).long()]
+    table = meta.block_table.copy()
+    table[0, :n] = np.arange(1, n + 1)
+    want = dense_attention(q, dense, [q_len], 0.25)
+    m = BACKEND.prepare_metadata(AttentionMetadata(meta.query_start_loc, meta.seq_lens, table, meta.slot_mapping,
+                                                   meta.max_query_len, meta.max_seq_len, 4))  # fmt: skip
+    for _ in range(2):  # the second call reads the memo of the first
+        torch.testing.assert_close(BACKEND.attention(q, ordered, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+    m.block_table = BACKEND.prepare_metadata(meta).block_table  # the scattered table, same plan
+    torch.testing.assert_close(BACKEND.attention(q, cache, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)

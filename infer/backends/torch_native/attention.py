@@ -13,7 +13,7 @@ for the explicit scores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,19 +62,33 @@ class AttentionGroup:
     max_q: int
     # Every request starts at position 0, so the top-left causal mask is exact.
     fresh: bool
+    # query_rows.flatten() is the range first_row, first_row + 1, ...: q is sliced, not gathered (-1: it is not).
+    first_row: int = -1
 
     _TENSORS = ("requests", "query_rows", "query_pos", "first_pos", "token_rows", "padded_rows")
 
     def to(self, device) -> "AttentionGroup":
         moved = {f: getattr(self, f).to(device) for f in self._TENSORS}
-        return AttentionGroup(**moved, seq_lens=self.seq_lens, max_q=self.max_q, fresh=self.fresh)
+        return AttentionGroup(**moved, seq_lens=self.seq_lens, max_q=self.max_q, fresh=self.fresh, first_row=self.first_row)
 
     def chunk(self, lo: int, hi: int) -> "AttentionGroup":
         """Requests lo:hi (what attention reads; the output maps stay the group's)."""
+        first_row = self.first_row + lo * self.max_q if self.first_row >= 0 else -1
         return AttentionGroup(
             self.requests[lo:hi], self.query_rows[lo:hi], self.query_pos[lo:hi], self.first_pos[lo:hi],
-            self.token_rows, self.padded_rows, self.seq_lens[lo:hi], self.max_q, self.fresh,
+            self.token_rows, self.padded_rows, self.seq_lens[lo:hi], self.max_q, self.fresh, first_row,
         )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _ChunkIndex:
+    """What one chunk of a group reads, worked out on its first layer and reused by the rest of the step."""
+
+    g: AttentionGroup
+    blocks: torch.Tensor  # [G * n_blocks] cache blocks gathered, in order
+    block_start: int  # blocks is block_start, block_start + 1, ...: the cache is sliced, not gathered (-1: it is not)
+    key_pos: torch.Tensor  # [G, L]
+    masks: dict  # dtype (or None for bool) -> mask [G, 1, max_q, L]
 
 
 @dataclass(slots=True)
@@ -82,9 +96,19 @@ class AttentionPlan:
     """The per-step split of the batch into groups; built once, read by every layer."""
 
     groups: list[AttentionGroup]
+    # Rows of q the batch's requests own (query_start_loc[-1]); -1 when unknown.
+    num_tokens: int = -1
+    # With one group answering rows 0..num_tokens-1: the padded row feeding each output row
+    # (None with `direct`, where the padded output already is the output).
+    out_rows: torch.Tensor | None = None
+    direct: bool = False
+    # Per-step memo of the gathers and masks (filled by the first layer; the block table it was built for).
+    memo: dict = field(default_factory=dict)
+    memo_table: object = None
 
     def to(self, device) -> "AttentionPlan":
-        return AttentionPlan([g.to(device) for g in self.groups])
+        rows = None if self.out_rows is None else self.out_rows.to(device)
+        return AttentionPlan([g.to(device) for g in self.groups], self.num_tokens, rows, self.direct)
 
 
 def _group(requests: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AttentionGroup:
@@ -96,9 +120,12 @@ def _group(requests: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, s
     first_pos = seq_lens - q_lens
     real = offsets[None, :] < q_lens[:, None]
     padded_index = torch.arange(requests.numel() * max_q).view(-1, max_q)
+    query_rows = starts[:, None] + clamped
+    flat = query_rows.flatten()
+    first_row = int(flat[0]) if torch.equal(flat, flat[0] + torch.arange(flat.numel())) else -1
     return AttentionGroup(
         requests=requests,
-        query_rows=starts[:, None] + clamped,
+        query_rows=query_rows,
         query_pos=first_pos[:, None] + clamped,
         first_pos=first_pos,
         token_rows=(starts[:, None] + offsets[None, :])[real],
@@ -106,6 +133,7 @@ def _group(requests: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, s
         seq_lens=tuple(seq_lens.tolist()),
         max_q=max_q,
         fresh=bool((first_pos == 0).all()),
+        first_row=first_row,
     )
 
 
@@ -119,7 +147,17 @@ def plan_attention(query_start_loc, seq_lens) -> AttentionPlan:
         requests = torch.nonzero(select).flatten()
         if requests.numel():
             groups.append(_group(requests, qsl[requests], q_lens[requests], seq[requests]))
-    return AttentionPlan(groups)
+    plan = AttentionPlan(groups)
+    if len(groups) == 1 and qsl.numel() and int(qsl[0]) == 0:
+        g, n = groups[0], int(qsl[-1])
+        if torch.equal(torch.sort(g.token_rows).values, torch.arange(n)):
+            # One group answers every row: its padded output, reordered, is the output.
+            rows = torch.empty(n, dtype=torch.long)
+            rows[g.token_rows] = g.padded_rows
+            plan.num_tokens = n
+            plan.direct = rows.numel() == g.requests.numel() * g.max_q and torch.equal(rows, torch.arange(n))
+            plan.out_rows = None if plan.direct else rows
+    return plan
 
 
 def _num_blocks(g: AttentionGroup, block_size: int, window: int | None) -> int:
@@ -131,8 +169,8 @@ def _num_blocks(g: AttentionGroup, block_size: int, window: int | None) -> int:
     return n
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, g: AttentionGroup, block_size: int, window: int | None):
-    """K, V [G, L, Hk, D] of the group's blocks and the position of each key [G, L]."""
+def _chunk_index(g: AttentionGroup, block_table: torch.Tensor, block_size: int, window: int | None) -> _ChunkIndex:
+    """The blocks a chunk gathers and the position of each key [G, L]."""
     n_blocks = _num_blocks(g, block_size, window)
     first_block = torch.zeros_like(g.first_pos)
     if window is not None:
@@ -142,11 +180,24 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, g: AttentionGr
     # Columns past the table only feed keys beyond every query's position: masked.
     cols = cols.clamp(max=block_table.shape[1] - 1)
     blocks = block_table.index_select(0, g.requests).gather(1, cols).flatten().long()
-    hk, d = kv_cache.shape[-2:]
-    k = kv_cache[0].index_select(0, blocks).view(g.requests.numel(), -1, hk, d)
-    v = kv_cache[1].index_select(0, blocks).view(g.requests.numel(), -1, hk, d)
+    start = int(blocks[0])
+    if start < 0 or not torch.equal(blocks, start + torch.arange(blocks.numel(), device=blocks.device)):
+        start = -1
     key_pos = first_block[:, None] * block_size + torch.arange(n_blocks * block_size, device=first_block.device)
-    return k, v, key_pos
+    return _ChunkIndex(g, blocks, start, key_pos, {})
+
+
+def _gather_kv(kv_cache: torch.Tensor, c: _ChunkIndex):
+    """K, V [G, L, Hk, D] of the chunk's blocks."""
+    hk, d = kv_cache.shape[-2:]
+    gs = c.g.requests.numel()
+    if c.block_start >= 0 and c.block_start + c.blocks.numel() <= kv_cache.shape[1]:
+        k = kv_cache[0].narrow(0, c.block_start, c.blocks.numel())  # the blocks lie in order: a view
+        v = kv_cache[1].narrow(0, c.block_start, c.blocks.numel())
+    else:
+        k = kv_cache[0].index_select(0, c.blocks)
+        v = kv_cache[1].index_select(0, c.blocks)
+    return k.view(gs, -1, hk, d), v.view(gs, -1, hk, d)
 
 
 def _mask(g: AttentionGroup, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -156,6 +207,25 @@ def _mask(g: AttentionGroup, key_pos: torch.Tensor, window: int | None) -> torch
     if window is not None:
         allowed &= qp - kp < window
     return allowed
+
+
+# Masks kept for the rest of the step up to this many elements each (larger ones are rebuilt per layer).
+_MEMO_MASK_NUMEL = 1 << 22
+
+
+def _chunk_mask(c: _ChunkIndex, window: int | None, dtype) -> torch.Tensor:
+    """[G, 1, max_q, L]: bool (dtype None) or SDPA's additive form of it (0 / -inf in `dtype`)."""
+    mask = c.masks.get(dtype)
+    if mask is None:
+        mask = c.masks.get(None)
+        if mask is None:
+            mask = _mask(c.g, c.key_pos, window)[:, None]
+        if dtype is not None:
+            # What SDPA makes of a bool mask on every call, made once.
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        if mask.numel() <= _MEMO_MASK_NUMEL:
+            c.masks[dtype] = mask
+    return mask
 
 
 def _explicit_attention(q, k, v, mask, scale, soft_cap):
@@ -183,41 +253,66 @@ def _explicit_attention(q, k, v, mask, scale, soft_cap):
     return out.transpose(2, 3).reshape(gs, hq, nq, d).to(q.dtype)
 
 
-def _chunk_attention(q, kv_cache, meta, g: AttentionGroup, scale, window, soft_cap) -> torch.Tensor:
-    """Attention of the requests of `g`: [G * max_q, Hq, D], padded rows included."""
+def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap) -> torch.Tensor:
+    """Attention of the requests of chunk `c`: [G * max_q, Hq, D], padded rows included."""
+    g = c.g
     hq, d = q.shape[1:]
-    k, v, key_pos = _gather_kv(kv_cache, meta.block_table, g, meta.block_size, window)
+    k, v = _gather_kv(kv_cache, c)
     gs, hk = g.requests.numel(), k.shape[2]
     k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [G, Hk, L, D], strided
-    qg = q.index_select(0, g.query_rows.flatten()).view(gs, g.max_q, hq, d).transpose(1, 2)  # [G, Hq, max_q, D]
+    if g.first_row >= 0:  # the chunk's queries are consecutive rows of q: a view
+        qr = q.narrow(0, g.first_row, gs * g.max_q)
+    else:
+        qr = q.index_select(0, g.query_rows.flatten())
     if soft_cap is not None:
-        out = _explicit_attention(qg, k, v, _mask(g, key_pos, window)[:, None], scale, soft_cap)
+        qg = qr.view(gs, g.max_q, hq, d).transpose(1, 2)  # [G, Hq, max_q, D]
+        out = _explicit_attention(qg, k, v, _chunk_mask(c, window, None), scale, soft_cap)
     elif g.max_q == 1:
         # Decode: the query heads of a KV head are its query rows; no K/V repeat needed.
-        qd = qg.reshape(gs, hk, hq // hk, d)
-        mask = _mask(g, key_pos, window)[:, None]  # [G, 1, 1, L]
-        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale).view(gs, hq, 1, d)
+        qd = qr.view(gs, hk, hq // hk, d)
+        mask = _chunk_mask(c, window, q.dtype)  # [G, 1, 1, L]
+        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        return out.view(gs, hq, d)
     elif g.fresh and window is None:
         # No cached prefix: query i reads keys 0..i, which is SDPA's own causal mask.
+        qg = qr.view(gs, g.max_q, hq, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, k, v, is_causal=True, scale=scale, enable_gqa=hk != hq)
     else:
-        mask = _mask(g, key_pos, window)[:, None]
+        qg = qr.view(gs, g.max_q, hq, d).transpose(1, 2)
+        mask = _chunk_mask(c, window, q.dtype)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale, enable_gqa=hk != hq)
     return out.transpose(1, 2).reshape(gs * g.max_q, hq, d)
 
 
-def _group_attention(q, kv_cache, meta, g: AttentionGroup, scale, window, soft_cap) -> torch.Tensor:
-    """[G * max_q, Hq, D] for a group, gathering at most ~_KV_CHUNK_BYTES of K/V at a time."""
-    n = g.requests.numel()
+def _chunks(plan: AttentionPlan, gi: int, g: AttentionGroup, kv_cache, meta, window) -> list[_ChunkIndex]:
+    """The group's requests cut so that each cut gathers at most ~_KV_CHUNK_BYTES of K/V (memoised per step)."""
     hk, d = kv_cache.shape[-2:]
     bytes_per_block = 2 * meta.block_size * hk * d * kv_cache.element_size()
-    out = q.new_empty(n * g.max_q, *q.shape[1:])
-    lo = 0
-    while lo < n:
-        rest = g.chunk(lo, n)
-        hi = lo + max(1, _KV_CHUNK_BYTES // (_num_blocks(rest, meta.block_size, window) * bytes_per_block))
-        out[lo * g.max_q : hi * g.max_q] = _chunk_attention(q, kv_cache, meta, g.chunk(lo, hi), scale, window, soft_cap)
-        lo = hi
+    key = (gi, window, meta.block_size, bytes_per_block, _KV_CHUNK_BYTES)
+    chunks = plan.memo.get(key)
+    if chunks is None:
+        chunks, n, lo = [], g.requests.numel(), 0
+        while lo < n:
+            rest = g.chunk(lo, n)
+            hi = min(n, lo + max(1, _KV_CHUNK_BYTES // (_num_blocks(rest, meta.block_size, window) * bytes_per_block)))
+            chunks.append(_chunk_index(g.chunk(lo, hi), meta.block_table, meta.block_size, window))
+            lo = hi
+        plan.memo[key] = chunks
+    return chunks
+
+
+def _group_attention(q, kv_cache, meta, plan: AttentionPlan, gi: int, scale, window, soft_cap) -> torch.Tensor:
+    """[G * max_q, Hq, D] for a group, gathering at most ~_KV_CHUNK_BYTES of K/V at a time."""
+    g = plan.groups[gi]
+    chunks = _chunks(plan, gi, g, kv_cache, meta, window)
+    if len(chunks) == 1:
+        return _chunk_attention(q, kv_cache, chunks[0], scale, window, soft_cap)
+    out = q.new_empty(g.requests.numel() * g.max_q, *q.shape[1:])
+    row = 0
+    for c in chunks:
+        part = _chunk_attention(q, kv_cache, c, scale, window, soft_cap)
+        out[row : row + part.shape[0]] = part
+        row += part.shape[0]
     return out
 
 
@@ -232,8 +327,15 @@ def attention(
     plan = meta.backend_data
     if not isinstance(plan, AttentionPlan):
         plan = plan_attention(meta.query_start_loc, meta.seq_lens).to(q.device)
+    if plan.memo_table is not meta.block_table:  # the memo is for one step's block table
+        plan.memo.clear()
+        plan.memo_table = meta.block_table
+    if plan.num_tokens == q.shape[0]:
+        # One group answers every row: no zero-filled output to scatter into.
+        padded = _group_attention(q, kv_cache, meta, plan, 0, scale, sliding_window, soft_cap)
+        return padded if plan.direct else padded.index_select(0, plan.out_rows)
     out = torch.zeros_like(q)  # rows past query_start_loc[-1] (padding) belong to no request
-    for g in plan.groups:
-        padded = _group_attention(q, kv_cache, meta, g, scale, sliding_window, soft_cap)
+    for gi, g in enumerate(plan.groups):
+        padded = _group_attention(q, kv_cache, meta, plan, gi, scale, sliding_window, soft_cap)
         out.index_copy_(0, g.token_rows, padded.index_select(0, g.padded_rows))
     return out
