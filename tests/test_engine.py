@@ -283,7 +283,18 @@ def test_logprobs_add_the_sampled_token_when_outside_the_top_k(make_llm, tiny):
         sizes.append(len(step))
         assert set(step) == {token, top1}
         assert step[token].logprob == pytest.approx(row[token], abs=1e-4)
+        assert step[token].rank == 1 + int((row > row[token]).sum())  # vLLM's rank, even outside the top k
     assert 2 in sizes  # near-uniform logits: some sampled token was not the top-1
+
+
+def test_logprobs_zero_returns_the_sampled_token_with_its_rank(make_llm, tiny):
+    llm = make_llm()
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True, logprobs=0)
+    c = llm.generate(tokens_prompt(PROMPTS[0]), params, use_tqdm=False)[0].outputs[0]
+    ref = tiny.log_softmax_after(PROMPTS[0], c.token_ids)
+    for step, token, row in zip(c.logprobs, c.token_ids, ref):
+        assert list(step) == [token]
+        assert step[token].rank == 1 + int((row > row[token]).sum())
 
 
 # Penalties per SamplingTensors' contract, in float64 on transformers' logits.

@@ -272,8 +272,10 @@ class LLMEngine:
         lps = be.to_numpy(sampled.logprobs)
         top_ids = be.to_numpy(sampled.top_token_ids) if sampled.top_token_ids is not None else None
         top_lps = be.to_numpy(sampled.top_logprobs) if sampled.top_logprobs is not None else None
+        ranks = be.to_numpy(sampled.ranks) if sampled.ranks is not None else None
         for i, comp in enumerate(comps):
-            self._pending[comp.request.request_id] = (float(lps[i]), top_ids[i] if top_ids is not None else (),
+            self._pending[comp.request.request_id] = (float(lps[i]), int(ranks[i]) if ranks is not None else None,
+                                                      top_ids[i] if top_ids is not None else (),
                                                       top_lps[i] if top_lps is not None else ())
         self.scheduler.update_from_output(out, {c.request.request_id: int(t) for c, t in zip(comps, tokens)})
         self._pending.clear()  # entries of requests aborted since schedule() were never consumed
@@ -281,10 +283,10 @@ class LLMEngine:
     def _on_token(self, req: Request) -> RequestStatus | None:
         """The scheduler's stop checker: runs once per sampled token."""
         comp = self._completions[req.request_id]
-        lp, top_ids, top_lps = self._pending.pop(req.request_id)
+        lp, rank, top_ids, top_lps = self._pending.pop(req.request_id)
         token = req.output_token_ids[-1]
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        comp.record_logprobs(token, lp, top_ids, top_lps, decode)
+        comp.record_logprobs(token, lp, rank, top_ids, top_lps, decode)
         return comp.on_token()
 
     def _output(self, state: RequestState) -> RequestOutput:

@@ -45,17 +45,15 @@ class CompletionState:
             return ()
         return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else self.eos_token_ids)
 
-    def record_logprobs(self, token: int, logprob: float, top_ids, top_lps, decode) -> None:
+    def record_logprobs(self, token: int, logprob: float, rank: int | None, top_ids, top_lps, decode) -> None:
         self.cumulative_logprob += logprob
         if self.logprobs is None:
             return
-        entry = {token: Logprob(logprob, None, decode(token))}
-        for rank, (tid, lp) in enumerate(zip(top_ids[: self.params.logprobs], top_lps[: self.params.logprobs]), 1):
-            tid = int(tid)
-            if tid == token:
-                entry[token].rank = rank
-            else:
-                entry[tid] = Logprob(float(lp), rank, decode(tid))
+        entry = {token: Logprob(logprob, rank, decode(token))}
+        n = self.params.logprobs
+        for i, (tid, lp) in enumerate(zip(top_ids[:n], top_lps[:n]), 1):
+            if int(tid) != token:
+                entry[int(tid)] = Logprob(float(lp), i, decode(int(tid)))
         self.logprobs.append(entry)
 
     def on_token(self) -> RequestStatus | None:

@@ -29,7 +29,8 @@ def build_sampling_tensors(rows: list[CompletionState]) -> SamplingTensors:
         presence_penalty=f32([p.presence_penalty for p in ps]),
         frequency_penalty=f32([p.frequency_penalty for p in ps]),
         repetition_penalty=f32([p.repetition_penalty for p in ps]),
-        max_num_logprobs=max((p.logprobs or 0 for p in ps), default=0),
+        # logprobs=0 still wants the sampled token's rank, which comes with K >= 1.
+        max_num_logprobs=max((max(p.logprobs, 1) for p in ps if p.logprobs is not None), default=0),
     )
     # Token histories only cross to the device when some row is penalised.
     if any(p.repetition_penalty != 1.0 for p in ps):

@@ -149,12 +149,16 @@ class SampleOutput:
       top_token_ids  [B, K] int64 with K = max_num_logprobs (descending logprob,
                      lowest id first on ties), or None when K == 0.
       top_logprobs   [B, K] float32, or None.
+      ranks          [B] int64 when K > 0, else None: 1-based rank of each
+                     sampled token among the raw logprobs (1 + how many
+                     tokens have a strictly higher one), as vLLM reports it.
     """
 
     token_ids: Any
     logprobs: Any
     top_token_ids: Any = None
     top_logprobs: Any = None
+    ranks: Any = None
 
 
 class WeightHandle(ABC):

@@ -145,6 +145,10 @@ def call_sample(h: Harness, x: dict) -> None:
             return
         h.out("top_token_ids", res.top_token_ids, dtype="int64")
         h.out("top_logprobs", res.top_logprobs, dtype="float32")
+        if res.ranks is None:
+            h.problems.append("max_num_logprobs > 0 but ranks is None")
+            return
+        h.out("ranks", res.ranks, dtype="int64")
 
 
 # Collectives: `x["x"]` is this rank's input (set by the worker process).

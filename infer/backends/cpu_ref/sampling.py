@@ -83,4 +83,5 @@ def sample(logits: np.ndarray, p: SamplingTensors) -> SampleOutput:
         top = np.argsort(-raw, axis=-1, kind="stable")[:, :k]
         out.top_token_ids = top.astype(np.int64)
         out.top_logprobs = np.take_along_axis(raw, top, axis=-1).astype(np.float32)
+        out.ranks = 1 + (raw > raw[np.arange(n), tokens][:, None]).sum(axis=1).astype(np.int64)
     return out

@@ -121,4 +121,5 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> SampleOutput:
     out = SampleOutput(token_ids=tokens, logprobs=raw.gather(1, tokens[:, None]).squeeze(1))
     if params.max_num_logprobs > 0:
         out.top_logprobs, out.top_token_ids = topk_lowest_id(raw, min(params.max_num_logprobs, vocab))
+        out.ranks = (raw > out.logprobs[:, None]).sum(dim=1) + 1
     return out
