@@ -511,3 +511,22 @@ def test_smollm2_weights_equal_transformers_gguf_reader(smollm2):
     assert set(ref) == set(smollm2.weights)
     for name, value in ref.items():
         np.testing.assert_array_equal(smollm2.weights[name], value.numpy(), err_msg=name)
+
+
+def test_gguf_tokenizer_is_cached_and_the_cache_behaves_like_the_conversion(smollm2_path, tmp_path, monkeypatch):
+    from infer.core.loader.gguf_file import GGUFCheckpoint, tokenizer_cache_dir
+
+    monkeypatch.setenv("INFER_CACHE_DIR", str(tmp_path))
+    ckpt = GGUFCheckpoint(smollm2_path)
+    converted = ckpt.load_tokenizer()
+    assert (tokenizer_cache_dir(smollm2_path) / "tokenizer.json").is_file()
+    cached = ckpt.load_tokenizer()
+    text = "Héllo wörld 🙂  \n\tdef f(x): return x**2 <|im_end|>"
+    assert cached(text).input_ids == converted(text).input_ids
+    assert cached.decode(converted(text).input_ids) == text
+    assert cached.all_special_ids == converted.all_special_ids and cached.eos_token == converted.eos_token
+    (tokenizer_cache_dir(smollm2_path) / "tokenizer.json").write_text("{ damaged")
+    assert ckpt.load_tokenizer()(text).input_ids == converted(text).input_ids  # rebuilt, and re-cached
+    assert cached.__class__.from_pretrained(str(tokenizer_cache_dir(smollm2_path)))(text).input_ids == converted(text).input_ids
+    monkeypatch.setenv("INFER_CACHE_DIR", "")
+    assert tokenizer_cache_dir(smollm2_path) is None

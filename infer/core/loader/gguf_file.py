@@ -10,8 +10,12 @@ Qwen2/Qwen3 files are stored unpermuted.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -231,17 +235,56 @@ class GGUFCheckpoint:
         return gen
 
     def load_tokenizer(self):
-        """transformers' tokenizer rebuilt from the GGUF vocabulary, or None when the file has none."""
+        """transformers' tokenizer rebuilt from the GGUF vocabulary, or None when the file has none.
+
+        Rebuilding takes seconds (transformers converts the whole vocabulary),
+        so the result is cached on disk per GGUF file (see `tokenizer_cache_dir`).
+        """
         if "tokenizer.ggml.model" not in self.reader.fields:
             return None
         from transformers import PreTrainedTokenizerFast
 
+        cached = tokenizer_cache_dir(self.path)
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            try:
+                return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+            except Exception:  # a damaged cache entry: drop it and rebuild below
+                shutil.rmtree(cached, ignore_errors=True)
         try:
-            return PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
-                                                           local_files_only=True)
+            tok = PreTrainedTokenizerFast.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
+                                                          local_files_only=True)
         except Exception as exc:
             raise LoaderError(f"{self.path}: could not build a tokenizer from the GGUF metadata "
                               f"({type(exc).__name__}: {exc}); pass load_tokenizer=False to load weights only") from exc
+        if cached is not None:
+            _save_atomically(tok, cached)
+        return tok
+
+
+def tokenizer_cache_dir(gguf: Path) -> Path | None:
+    """Where the tokenizer converted from `gguf` is kept: $INFER_CACHE_DIR (or
+    $XDG_CACHE_HOME/infer, or ~/.cache/infer)/tokenizers/<key>, the key naming
+    the file's path, size and modification time. None when INFER_CACHE_DIR is
+    set to an empty string (caching off)."""
+    root = os.environ.get("INFER_CACHE_DIR")
+    if root == "":
+        return None
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "infer")
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return Path(root) / "tokenizers" / key
+
+
+def _save_atomically(tok, target: Path) -> None:
+    """Best effort: a cache that cannot be written only costs the next load time."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, target)  # another process may have won the race: then keep theirs
+    except OSError:
+        shutil.rmtree(locals().get("tmp", ""), ignore_errors=True)
 
 
 def llama3_freq_factors(theta: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
