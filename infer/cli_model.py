@@ -65,7 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     t0 = time.time()
     try:
-        engine = LLMEngine(engine_args(args, max_num_seqs=min(args.max_num_seqs, 4), show_progress=None))
+        # One request: a KV pool for one full context, not max_num_seqs of them.
+        engine = LLMEngine(engine_args(args, max_num_seqs=1, show_progress=None))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"infer run: {exc}", file=sys.stderr)
         return 2
