@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +91,6 @@ class LLMEngine:
         self._rng = np.random.default_rng(a.seed)
         self._states: dict[str, RequestState] = {}
         self._completions: dict[str, CompletionState] = {}  # scheduler request id -> completion
-        self._ids = itertools.count()
         self._pending: dict[str, tuple] = {}  # request id -> this step's (logprob, top ids, top logprobs)
 
     # -- set-up helpers ---------------------------------------------------------
@@ -297,9 +295,6 @@ class LLMEngine:
             metrics["first_token_time"] = min(first)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              [c.output() for c in state.completions], finished, metrics)
-
-    def stats(self):
-        return self.scheduler.get_stats()
 
 
 def _check_args(a: EngineArgs) -> None:

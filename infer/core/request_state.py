@@ -28,16 +28,10 @@ class CompletionState:
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: str | int | None = None
     first_token_time: float | None = None
-    # Text withheld from streaming because it could be the start of a stop string.
-    _emitted: int = 0
 
     def __post_init__(self):
         if self.params.logprobs is not None:
             self.logprobs = []
-
-    @property
-    def max_tokens(self) -> int:
-        return self.params.max_tokens
 
     def banned_tokens(self) -> tuple[int, ...]:
         """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens."""
@@ -80,17 +74,9 @@ class CompletionState:
                     self.text = self.text[: idx + len(stop)] if p.include_stop_str_in_output else self.text[:idx]
                     self.stop_reason = stop
                     return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= self.max_tokens:
+        if req.num_output_tokens >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
-
-    def stream_delta(self) -> str:
-        """New text safe to show: all of it once finished, else all but a tail
-        that could still turn into a stop string."""
-        hold = 0 if self.request.is_finished else max((len(s) - 1 for s in self.params.stop_strings), default=0)
-        end = max(self._emitted, len(self.text) - hold)
-        delta, self._emitted = self.text[self._emitted:end], end
-        return delta
 
     def output(self) -> CompletionOutput:
         req = self.request
