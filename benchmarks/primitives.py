@@ -20,9 +20,7 @@ ran ("load %"); a row timed under load is not what the machine can do.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import statistics
 import sys
 import time

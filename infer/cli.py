@@ -95,7 +95,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
         cls = info.cls
         cov, note = _coverage(info)
         matrix[name] = cov
-        avail = "[green]yes[/]" if info.available else f"[red]no[/]: {escape(info.available.reason)}"
+        avail = f"[red]no[/]: {escape(info.available.reason)}" if not info.available else "[green]yes[/]" + (
+            f" [yellow]({escape(info.available.reason)})[/]" if info.available.reason else "")  # a note, e.g. interpreter mode
         summary = _coverage_summary(name, cov) + (f" [dim]({escape(note)})[/]" if note else "")
         table.add_row(name, avail, info.plugin, _default_device(cls), str(cls.preferred_block_size),
                       cls.kv_cache_layout, ", ".join(cls.dtypes), cls.dist_backend, summary)
@@ -202,8 +203,10 @@ def add_conformance(sub) -> None:
 
 from .bench import add_bench_parser  # noqa: E402
 from .cli_model import add_graph, add_run  # noqa: E402  (model commands import the engine lazily)
+from .cli_plan import add_plan  # noqa: E402
+from .server.cli import add_serve  # noqa: E402  (imports fastapi and uvicorn only when run)
 
-COMMANDS: list[Callable] = [add_run, add_graph, add_bench_parser, add_backends, add_conformance]
+COMMANDS: list[Callable] = [add_run, add_serve, add_graph, add_bench_parser, add_backends, add_conformance, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

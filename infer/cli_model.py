@@ -28,12 +28,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
+                   help="auto: keep a quantized checkpoint (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8) quantized with a 16-bit "
+                        "--dtype (dequantized for float32); "
+                        "none: dequantize it to --dtype; fp8: quantize a float model's projections to fp8 at load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: KV cache as e4m3 (1 byte a value: 2x the tokens of a 16-bit cache)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
-             "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed")
+             "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
+             "quantization", "kv_cache_dtype")
     return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
 
 

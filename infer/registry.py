@@ -122,7 +122,9 @@ def get_backend(name: str = "auto", device: str | None = None) -> Backend:
     if name == "auto":
         for candidate in AUTO_ORDER:
             info = reg.backends.get(candidate)
-            if info and info.available:
+            # An available backend with a note (cuda under TRITON_INTERPRET=1) runs for testing only:
+            # asked for by name it runs, but `auto` never picks it.
+            if info and info.available and not info.available.reason:
                 return info.cls(device=device)
         raise BackendUnavailableError("no backend available for 'auto'; run `infer backends` to see why")
     info = reg.backends.get(name)

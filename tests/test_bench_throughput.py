@@ -14,7 +14,6 @@ from conftest import require_smollm2
 
 from infer.bench import BenchConfig, add_bench_parser, config_from_args, make_workload
 from infer.bench.workload import engine_kwargs
-from infer.core.loader import ModelNotFoundError, resolve_model_path
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

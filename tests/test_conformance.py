@@ -85,14 +85,23 @@ class NoSoftCap(CpuRefBackend):
 class HighestExpertOnTies(CpuRefBackend):
     name = "mutant"
 
-    def moe(self, x, router_logits, w13, w2, top_k, renormalize):
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
         # Reversing the expert order turns "lowest id first" into "highest id first".
-        out, counts = CpuRefBackend.moe(x, router_logits[:, ::-1], w13[::-1], w2[::-1], top_k, renormalize)
+        out, counts = CpuRefBackend.moe(x, router_logits[:, ::-1], w13[::-1], w2[::-1], top_k, renormalize,
+                                        shared, shared_gate)
         return out, counts[::-1].copy()
+
+
+class UngatedSharedExpert(CpuRefBackend):
+    name = "mutant"
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
+        return CpuRefBackend.moe(x, router_logits, w13, w2, top_k, renormalize, shared, None)
 
 
 class WritesPaddedSlots(CpuRefBackend):
     name = "mutant"
+    kv_cache_dtypes = ("auto",)  # writes floats only: declines the fp8 cases, so they skip
 
     def kv_write(self, k, v, kv_cache, slot_mapping, scales=None):
         flat = kv_cache.reshape(2, -1, *kv_cache.shape[3:])
@@ -149,6 +158,7 @@ MUTANTS = [
     (NoSlidingWindow, "attention", {"sliding_window8_gqa3_d64", "window_soft_cap_gqa8_d128"}),
     (NoSoftCap, "attention", {"soft_cap_gqa3_d64", "window_soft_cap_gqa8_d128"}),
     (HighestExpertOnTies, "moe", {"top1_ties_lowest_id", "top2_ties_lowest_id"}),
+    (UngatedSharedExpert, "moe", {"shared_gated_top4", "shared_gated_one_token"}),
     (WritesPaddedSlots, "kv_write", {"padded_minus1_slots"}),
     (IgnoresPenalties, "sample", {"penalties", "logprobs"}),
     (IgnoresLogitBias, "sample", {"logit_bias"}),

@@ -27,17 +27,49 @@ MODELS = {
 }
 
 
-def make_model(kind: str):
-    cfg_cls, model_cls, extra = MODELS[kind]
+def random_model(cfg_cls: str, model_cls: str, **config):
+    """(transformers model, config dict, state dict as NumPy) of a random model built from a config."""
     torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(intermediate_size=160, num_hidden_layers=2, vocab_size=211,
-                                         max_position_embeddings=256, **extra)
+    cfg = getattr(transformers, cfg_cls)(**config)
     model = getattr(transformers, model_cls)(cfg).eval()
     for p in model.parameters():  # larger weights than the init, so errors are not hidden by tiny logits
         p.data.normal_(0, 0.08)
     config = cfg.to_dict()
     config["architectures"] = [model_cls]
     return model, config, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def make_model(kind: str):
+    cfg_cls, model_cls, extra = MODELS[kind]
+    return random_model(cfg_cls, model_cls, intermediate_size=160, num_hidden_layers=2, vocab_size=211,
+                        max_position_embeddings=256, **extra)
+
+
+def assert_logits_match_through_chunks(model, runner, backend, vocab_size: int) -> None:
+    """Two steps of a paged batch through `runner` give the transformers model's logits (atol 1e-4):
+    request 0 prefills 17 tokens (crossing a block) while request 1 prefills all 5, then request 0
+    prefills its last 4 while request 1 decodes one token."""
+    bs = 16
+    runner.allocate_kv_caches(num_blocks=12, block_size=bs)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, vocab_size, n) for n in (21, 5)]
+    tables = [[7, 2], [4]]
+    nxt = int(rng.integers(0, vocab_size))
+    steps = [([(0, 17), (0, 5)], np.concatenate([prompts[0][:17], prompts[1]])),
+             ([(17, 4), (5, 1)], np.concatenate([prompts[0][17:], [nxt]]))]
+    got = []
+    for chunks, ids in steps:
+        positions = np.concatenate([np.arange(c, c + q) for c, q in chunks])
+        logits = runner.forward(backend.asarray(ids), backend.asarray(positions), backend.asarray(np.arange(len(ids))),
+                                backend.prepare_metadata(meta_for(chunks, bs, tables)))
+        got.append(backend.to_numpy(logits))
+    with torch.no_grad():
+        full0 = model(torch.from_numpy(prompts[0])[None]).logits[0].numpy()
+        full1 = model(torch.from_numpy(np.append(prompts[1], nxt))[None]).logits[0].numpy()
+    np.testing.assert_allclose(got[0][:17], full0[:17], atol=1e-4)
+    np.testing.assert_allclose(got[0][17:], full1[:5], atol=1e-4)
+    np.testing.assert_allclose(got[1][:4], full0[17:], atol=1e-4)
+    np.testing.assert_allclose(got[1][4], full1[5], atol=1e-4)
 
 
 def meta_for(chunks, block_size, tables):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .runners import HF_BATCH
-from .workload import MIB
+from .machine import MIB
 
 
 def _mib(n: float) -> str:
@@ -57,6 +57,7 @@ def format_report(r: dict) -> str:
             lines.append(f"{name:34}" + "".join(f"{side['memory'][k] / MIB:14,.0f}" for k, _ in cols))
     lines.append(f"  (model weights {_mib(mem['weights_bytes'])}; infer holds {_mib(mem['runner_weight_bytes'])} of weight "
                  f"buffers, backend-prepared copies included; KV pool {_mib(mem['kv_pool_bytes'])})")
+    lines += _expert_load_lines(inf.get("expert_load"))
     ratios = r["ratios"]
     if hf:
         agree = ratios["greedy_agreement"]
@@ -68,6 +69,20 @@ def format_report(r: dict) -> str:
     lines.append(f"  peak RSS above the after-imports baseline / (weights + KV pool): "
                  f"{ratios['peak_rss_above_baseline_over_weights_kv']:.2f}x")
     return "\n".join(lines)
+
+
+def _expert_load_lines(load: dict | None) -> list[str]:
+    """MoE models: tokens per expert over the workload, and how uneven they were."""
+    if not load:
+        return []
+    lines = ["", f"expert load over the workload ({load['steps']} steps; imbalance = max/mean tokens per expert, "
+                 "1.00 = even)"]
+    for layer, counts, imb in zip(load["layers"], load["tokens_per_expert"], load["imbalance"]):
+        shown = " ".join(str(c) for c in counts[:16]) + (" ..." if len(counts) > 16 else "")
+        lines.append(f"  layer {layer:3}: imbalance {'-' if imb is None else f'{imb:.2f}'}  tokens per expert {shown}")
+    if load["max_imbalance"] is not None:
+        lines.append(f"  worst layer imbalance {load['max_imbalance']:.2f}")
+    return lines
 
 
 def save_png(r: dict, path: str) -> None:

@@ -129,9 +129,12 @@ def run_infer(cfg: BenchConfig, work: Workload, kwargs: dict[str, Any]) -> dict[
     engine = llm.engine
     greedy = SamplingParams(temperature=0.0, max_tokens=work.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in work.warmup_prompts], replace(greedy, max_tokens=4), use_tqdm=False)
+    if engine.expert_load is not None:
+        engine.expert_load.reset()  # the report's expert load is the workload's alone
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], greedy, use_tqdm=False)
     elapsed = time.perf_counter() - t
+    expert_load = engine.expert_load.snapshot().as_dict() if engine.expert_load is not None else None
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     _check_lengths(tokens, work.output_len, "infer")
     decode = [_infer_stream(engine, p, cfg.decode_len, f"decode-{i}")[:2] for i, p in enumerate(work.decode_prompts)]
@@ -139,7 +142,7 @@ def run_infer(cfg: BenchConfig, work: Workload, kwargs: dict[str, Any]) -> dict[
     runner = engine.runner
     costs = model_costs(runner, engine.model_config, cfg.decode_prompt_len + cfg.decode_len / 2, cfg.prefill_len)
     return dict(
-        model=costs, workload=_throughput(work, elapsed), tokens=tokens, load_s=load_s,
+        model=costs, workload=_throughput(work, elapsed), tokens=tokens, load_s=load_s, expert_load=expert_load,
         decode=_stream_summary(decode, cfg.decode_len, cfg.decode_prompt_len),
         prefill=_stream_summary(prefill, 1, cfg.prefill_len),
         memory=dict(baseline_rss=baseline, loaded_rss=loaded, load_peak_rss=load_peak, end_rss=_rss_now(), peak_rss=_rss_peak(),

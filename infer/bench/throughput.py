@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from .runners import run_infer, run_transformers
-from .workload import GB, BenchConfig, engine_kwargs, machine_limits, make_workload
+from .machine import GB
+from .workload import BenchConfig, engine_kwargs, machine_limits, make_workload
 
 
 def _in_child(fn, *args):

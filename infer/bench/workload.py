@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .machine import GB, MIB, measure_bandwidth, measure_peak
+from .machine import measure_bandwidth, measure_peak
 
 
 @dataclass
@@ -70,7 +70,10 @@ def engine_kwargs(cfg: BenchConfig, work: Workload, block_size: int, kv_bytes_pe
     max_model_len = max(cfg.max_len + cfg.output_len, cfg.prefill_len + 1, cfg.decode_prompt_len + cfg.decode_len)
     blocks = sum(-(-(len(p) + work.output_len) // block_size) for p in work.prompts)
     kv_tokens = max(blocks, -(-max_model_len // block_size) + 1) * block_size
-    return dict(model=cfg.model, backend=cfg.backend, max_num_seqs=max(32, cfg.num_prompts),
+    # float32 with the checkpoint dequantized: the same arithmetic as the transformers peer,
+    # so the two runs' greedy tokens can be compared (benchmarks/quant.py times quantized runs).
+    return dict(model=cfg.model, backend=cfg.backend, dtype="float32", quantization="none",
+                max_num_seqs=max(32, cfg.num_prompts),
                 max_num_batched_tokens=max(2048, cfg.prefill_len), max_model_len=max_model_len,
                 kv_cache_memory=kv_tokens * kv_bytes_per_token, show_progress=False)
 
@@ -96,7 +99,7 @@ def machine_limits(cfg: BenchConfig) -> dict[str, float]:
 
 
 def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> dict[str, float]:
-    """Bytes read per decode token and FLOPs per prompt token, from a dense model's lowered program.
+    """Bytes read per decode token and FLOPs per prompt token, from a model's lowered program.
 
     Decode reads every linear and norm weight once per step (the embedding
     table only as one row, unless tied as the LM head) plus the KV of its
@@ -116,6 +119,10 @@ def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> di
     kv_per_token = 2 * layers * config["num_key_value_heads"] * hd * itemsize
     head = sum(size(w) for w, is_head in linears.items() if is_head)
     body = sum(size(w) for w, is_head in linears.items() if not is_head)
+    # An MoE layer runs top_k of its E experts per token: that share of the
+    # expert weights is read per decode token and multiplied per prompt token.
+    body += sum((size(c.params["w13"]) + size(c.params["w2"])) * c.attrs["top_k"] // params[c.params["w13"]].shape[0]
+                for c in runner.program.calls if c.primitive == "moe")
     attn = 4 * layers * config["num_attention_heads"] * hd * (prefill_len + 1) / 2
     return dict(params=sum(by_source.values()), weight_bytes=sum(by_source.values()) * itemsize,
                 decode_bytes_per_token=(head + body + sum(size(n) for n in norms)) * itemsize + kv_per_token * decode_ctx,

@@ -13,8 +13,11 @@ from ..registry import Ops, get_backend, registry
 from ..primitives.types import AttentionMetadata
 from .config import POLICIES, CacheConfig, SchedulerConfig
 from .loader import load_model
+from .expert_load import ExpertLoad
 from .lowering import lower
+from .memory import trim_heap
 from .model_runner import ModelRunner
+from .quant_params import QUANTIZATIONS
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .request_state import CompletionState, RequestState
@@ -50,6 +53,13 @@ class EngineArgs:
     seed: int = 0
     skip_tokenizer_init: bool = False
     show_progress: bool | None = None
+    # 'auto': weights stored quantized (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8) stay
+    # quantized when `dtype` is 16-bit and are dequantized for float32; 'none':
+    # always dequantize them to `dtype` at load; 'fp8': keep them, and quantize a
+    # float model's projections to fp8 e4m3 at load (vLLM's online fp8).
+    quantization: str = "auto"
+    # 'auto' (the model dtype) or 'fp8' (e4m3, per-layer scales: twice the tokens per byte).
+    kv_cache_dtype: str = "auto"
 
 
 class LLMEngine:
@@ -60,7 +70,7 @@ class LLMEngine:
         self.backend = get_backend(a.backend, device=a.device)
         self.ops = Ops(self.backend)
         reg = registry()
-        m = load_model(a.model, load_tokenizer=not a.skip_tokenizer_init, progress=a.show_progress,
+        m = load_model(a.model, load_weights=False, load_tokenizer=not a.skip_tokenizer_init,
                        supported_architectures=reg.models)
         self.model_config, self.tokenizer, self.chat_template = m.config, m.tokenizer, m.chat_template
         self.generation_config = m.generation_config
@@ -71,8 +81,18 @@ class LLMEngine:
         if a.max_model_len is not None and a.max_model_len > model_len:
             raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
         self.max_model_len = a.max_model_len or model_len
-        self.runner = ModelRunner(program, self.backend, self.ops, m.weights, self.dtype, self.max_model_len)
-        m.weights.clear()  # the runner holds the only copy now
+        # 'auto' keeps stored quantized weights for 16-bit activations; float32 ones
+        # ask for exact float32 arithmetic, which the dequantized weights give
+        # fastest (no quantized kernel here is both exact and fast in float32).
+        keep = a.quantization == "fp8" or (a.quantization == "auto" and self.dtype != "float32")
+        weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
+        self.runner = ModelRunner(program, self.backend, self.ops, weights, self.dtype, self.max_model_len,
+                                  quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+        # MoE models: tokens per expert per layer, accumulated over steps; None for dense models.
+        self.expert_load = ExpertLoad.for_program(program, self.backend.to_numpy)
+        weights.close()
+        del m, weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
+        trim_heap()
         cache = self._cache_config(a)
         self.cache_config = cache
         sched = SchedulerConfig(
@@ -244,6 +264,8 @@ class LLMEngine:
         mi = out.model_input()
         logits = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions), be.asarray(mi.logits_indices),
                                      self.ops.prepare_metadata(mi.attn_metadata))
+        if self.expert_load is not None:
+            self.expert_load.record(self.runner.expert_counts)
         rows, comps = [], []
         for row, rid in enumerate(mi.sample_request_ids):
             comp = self._completions[rid]
@@ -303,5 +325,9 @@ def _check_args(a: EngineArgs) -> None:
         value = getattr(a, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive integer, or None for the default; got {value!r}")
+    if a.kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {a.kv_cache_dtype!r}")
+    if a.quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {a.quantization!r}")
     if a.scheduling_policy not in POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {a.scheduling_policy!r}")

@@ -22,7 +22,7 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("weight",),  # residual-fused when it has two inputs
     "attention": ("qkv_proj", "qkv_bias", "o_proj", "o_bias", "q_norm", "k_norm"),  # all but projections optional
     "mlp": ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"),
-    "moe": ("router", "w13", "w2"),
+    "moe": ("router", "w13", "w2", "shared_gate"),  # inputs: x, and a shared expert's output when it has one
     "lm_head": ("weight",),
 }
 

@@ -134,6 +134,27 @@ def _mlp(g: Graph, n: Node) -> list[Call]:
     ]
 
 
+def _moe(g: Graph, n: Node) -> list[Call]:
+    """Router logits from a linear, then the `moe` primitive; with a shared
+    expert (its own earlier `mlp` node), its output and gate logits ride
+    along so the primitive's combine adds them."""
+    p, name, L, a = n.params, n.name, n.layer, n.attrs
+    e = g.params[p["router"]].shape[0]
+    h = g.config.hidden_size
+    x = n.inputs[0]
+    calls = [Call("linear", name, (x,), (name + ".router_logits",), {"weight": p["router"]}, {}, (("T", e),), L)]
+    ins = (x, name + ".router_logits")
+    if len(n.inputs) > 1:
+        ins += (n.inputs[1],)
+        if "shared_gate" in p:
+            calls.append(Call("linear", name, (x,), (name + ".shared_gate_logits",), {"weight": p["shared_gate"]}, {},
+                              (("T", 1),), L))
+            ins += (name + ".shared_gate_logits",)
+    calls.append(Call("moe", name, ins, (n.outputs[0], name + ".tokens_per_expert"), _pick(p, w13="w13", w2="w2"),
+                      {"top_k": a["top_k"], "renormalize": a["renormalize"]}, (("T", h), (e,)), L))
+    return calls
+
+
 def _lm_head(g: Graph, n: Node) -> list[Call]:
     x, rows = n.inputs
     return [
@@ -153,5 +174,6 @@ _EXPANSIONS = {
     "rms_norm": _rms_norm,
     "attention": _attention,
     "mlp": _mlp,
+    "moe": _moe,
     "lm_head": _lm_head,
 }

@@ -3,13 +3,15 @@ executes one flattened batch per `forward`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from ..primitives.spec import PRIMITIVES
-from ..primitives.types import AttentionMetadata, DenseWeight
+from ..primitives.types import AttentionMetadata, DenseWeight, WeightHandle
+from . import quant_params
 from .lowering import Call, Program
 from .rope import cos_sin_cache
 
@@ -19,35 +21,37 @@ _PRIMITIVE_SET = frozenset(PRIMITIVES)
 
 class ModelRunner:
     def __init__(self, program: Program, backend, ops, weights: Mapping[str, np.ndarray], dtype: str,
-                 max_positions: int, progress: Callable[[Iterable], Iterable] = iter):
+                 max_positions: int, progress: Callable[[Iterable], Iterable] = iter, quantization: str = "auto",
+                 kv_cache_dtype: str = "auto"):
         """`ops` validates arguments (Ops(backend)); the first forward runs
         through it, later ones through an unchecked twin, since the program's
         shapes do not change between steps.
+
+        Quantized weights arrive as `WeightHandle`s in `weights` and stay
+        quantized; ``quantization="fp8"`` quantizes the dense weights of the
+        attention and MLP projections (not lm_head, as vLLM) at load.
+        ``kv_cache_dtype="fp8"``: KV caches hold e4m3 codes with one scale per
+        layer for K and one for V (1.0, vLLM's default without calibrated
+        scales), served by a backend that declares fp8 caches.
 
         `weights` (checkpoint name -> array) is consumed: each entry is dropped
         once the last parameter built from it exists, so loading never holds
         the checkpoint and the device copy of all of it at once.
         """
         self.program, self.backend, self.ops, self.dtype = program, backend, ops, dtype
+        self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        # (k_scale, v_scale) per layer for an fp8 cache.
+        self.kv_scales = [(1.0, 1.0)] * program.graph.num_layers
         self.config = program.graph.config
         self.tensors: dict[str, Any] = {}
-        params = program.graph.params
-        uses = Counter(src for p in params.values() for src in p.sources)
-        built: dict[tuple[str, ...], Any] = {}  # tied parameters share one tensor
-        for name in progress(list(params)):
-            p = params[name]
-            if p.sources not in built:
-                built[p.sources] = self._load_param(name, weights)
-            self.tensors[name] = built[p.sources]
-            for src in p.sources:
-                uses[src] -= 1
-                if uses[src] == 0 and isinstance(weights, dict):
-                    weights.pop(src, None)
         self._handles: dict[tuple, DenseWeight] = {}
         self._rope: dict[int, Any] = {}
         self.max_positions = max_positions
         self.kv_caches: list[Any] = []
-        self._prepare_linear_weights()
+        # MoE layer -> tokens routed to each expert in the last forward (backend
+        # int64 [E]); the engine's ExpertLoad accumulates them.
+        self.expert_counts: dict[int, Any] = {}
+        self._load_params(weights, progress)
         fast = type(ops)(backend, validate=False)
         self._checked_steps = [self._bind(c, ops) for c in program.calls]
         self._steps = [self._bind(c, fast) for c in program.calls]
@@ -60,32 +64,68 @@ class ModelRunner:
         missing = [s for s in p.sources if s not in weights]
         if missing:
             raise KeyError(f"checkpoint lacks {', '.join(missing)} (needed for {name})")
-        arr = np.concatenate([np.asarray(weights[s]) for s in p.sources]) if len(p.sources) > 1 else weights[p.sources[0]]
+        parts = [weights[s] for s in p.sources]
+        if any(isinstance(x, WeightHandle) for x in parts):
+            return quant_params.to_backend(quant_params.concat_rows(parts), self.backend, self.dtype, p.shape, name)
+        arr = np.concatenate([np.asarray(x) for x in parts]) if len(parts) > 1 else parts[0]
+        if self.quantization == "fp8" and name in self._fp8_params:
+            return quant_params.to_backend(quant_params.online_fp8(arr), self.backend, self.dtype, p.shape, name)
         if tuple(arr.shape) != p.shape:
             raise ValueError(f"checkpoint tensor for {name} has shape {tuple(arr.shape)}, the config implies {p.shape}")
         return self.backend.asarray(np.asarray(arr, dtype=np.float32), self.dtype)
 
-    def _linear_weight(self, call: Call) -> DenseWeight:
+    def _load_params(self, weights: Mapping[str, np.ndarray], progress: Callable[[Iterable], Iterable]) -> None:
+        """Build every parameter, linear weights first, each prepared by the
+        backend as soon as it exists, so a re-layout (a K-major copy) replaces
+        its checkpoint copy right away: the load never holds two copies of
+        the model, and freed memory is reused by the next weight."""
+        params = self.program.graph.params
+        uses = Counter(src for p in params.values() for src in p.sources)
+        built: dict[tuple[str, ...], Any] = {}  # tied parameters share one tensor
+        linears = [c for c in self.program.calls if c.primitive == "linear"]
+        first = [n for c in linears for n in (c.params["weight"], c.params.get("bias")) if n]
+        ops_of = {n.name: n.op for n in self.program.graph.nodes}
+        self._fp8_params = {c.params["weight"] for c in linears if ops_of.get(c.node) in ("attention", "mlp")}
+        waiting = {id(c): {n for n in (c.params["weight"], c.params.get("bias")) if n} for c in linears}
+        users: dict[str, list[Call]] = {}
+        for c in linears:
+            for n in waiting[id(c)]:
+                users.setdefault(n, []).append(c)
+        for name in progress(list(dict.fromkeys(first + list(params)))):
+            p = params[name]
+            if p.sources not in built:
+                built[p.sources] = self._load_param(name, weights)
+            self.tensors[name] = built[p.sources]
+            for src in p.sources:
+                uses[src] -= 1
+                if uses[src] == 0 and hasattr(weights, "pop"):
+                    weights.pop(src, None)
+            for c in users.get(name, ()):
+                waiting[id(c)].discard(name)
+                if not waiting[id(c)]:
+                    self._prepare_linear(c, built)
+
+    def _prepare_linear(self, call: Call, built: dict[tuple[str, ...], Any]) -> None:
+        """Prepare a linear weight and let its other users (a tied embedding)
+        read the prepared storage instead of keeping the checkpoint copy."""
+        original = self.tensors[call.params["weight"]]
+        handle = self._linear_weight(call)
+        # A quantized table is read whole (embedding dequantizes rows from the handle).
+        replacement = handle.weight if isinstance(handle, DenseWeight) else handle
+        if replacement is not original:
+            for table in (self.tensors, built):
+                for key, t in table.items():
+                    if t is original:
+                        table[key] = replacement
+
+    def _linear_weight(self, call: Call) -> WeightHandle:
         key = (call.params["weight"], call.params.get("bias"))
         if key not in self._handles:
             bias = self.tensors[key[1]] if key[1] else None
-            self._handles[key] = self.ops.prepare_weight(DenseWeight(self.tensors[key[0]], bias))
+            w = self.tensors[key[0]]
+            w = dataclasses.replace(w, bias=bias) if isinstance(w, WeightHandle) else DenseWeight(w, bias)
+            self._handles[key] = self.ops.prepare_weight(w)
         return self._handles[key]
-
-    def _prepare_linear_weights(self) -> None:
-        """Prepare every linear weight before anything binds a tensor, and let
-        the other users of a weight (a tied embedding) read the prepared
-        storage, so a backend's re-layout replaces the checkpoint copy
-        instead of doubling it."""
-        for c in self.program.calls:
-            if c.primitive != "linear":
-                continue
-            original = self.tensors[c.params["weight"]]
-            handle = self._linear_weight(c)
-            if handle.weight is not original:
-                for name, t in self.tensors.items():
-                    if t is original:
-                        self.tensors[name] = handle.weight
 
     def _rope_cache(self, rotary_dim: int):
         if rotary_dim not in self._rope:
@@ -95,12 +135,22 @@ class ModelRunner:
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
         cfg = self.config
-        self.kv_caches = [self.backend.allocate_kv_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-                          for _ in range(self.program.graph.num_layers)]
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.kv_cache_dtype != "fp8":
+            self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in range(self.program.graph.num_layers)]
+            return
+        # fp8: uint8 codes in the layout of the backend that writes them (maybe a
+        # fallback), placed by this backend, which owns the device.
+        owner = self.ops.provider("kv_write", dtype=self.dtype, kv_cache_dtype="fp8")
+        if owner is self.backend:
+            self.kv_caches = [owner.allocate_kv_cache(*shape, "fp8") for _ in range(self.program.graph.num_layers)]
+        else:
+            self.kv_caches = [self.backend.asarray(np.zeros(owner.kv_cache_shape(*shape), np.uint8))
+                              for _ in range(self.program.graph.num_layers)]
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
-        itemsize = 4 if self.dtype == "float32" else 2
+        itemsize = 1 if self.kv_cache_dtype == "fp8" else 4 if self.dtype == "float32" else 2
         return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize * self.program.graph.num_layers
 
     def _bind(self, c: Call, ops) -> Callable[[dict], None]:
@@ -110,9 +160,16 @@ class ModelRunner:
         if kind == "linear":
             handle = self._linear_weight(c)
             static["weight_kind"] = handle.kind
+        elif kind == "embedding" and isinstance(self.tensors[c.params["table"]], WeightHandle):
+            static["weight_kind"] = self.tensors[c.params["table"]].kind
+        elif kind == "moe" and len(ins) > 2:
+            static["shared_expert"] = True
         elif kind == "attention":
             static.update(head_dim=self.config.head_dim, sliding_window=a["sliding_window"] is not None,
                           soft_cap=a["soft_cap"] is not None)
+        fp8_kv = kind in ("kv_write", "attention") and self.kv_cache_dtype == "fp8"
+        if fp8_kv:
+            static["kv_cache_dtype"] = "fp8"
         fn = ops.resolve(kind, **static)[0] if kind in _PRIMITIVE_SET else None
         if kind == "embedding":
             table = self.tensors[c.params["table"]]
@@ -155,13 +212,22 @@ class ModelRunner:
                 env[outs[0]] = fn(env[ins[0]], act)
         elif kind == "kv_write":
             layer = c.layer
+            scales = self.kv_scales[layer] if fp8_kv else None
             def run(env):
                 meta = env["meta"]
-                fn(env[ins[0]], env[ins[1]], self.kv_caches[layer], meta.slot_mapping)
+                fn(env[ins[0]], env[ins[1]], self.kv_caches[layer], meta.slot_mapping, scales)
         elif kind == "attention":
             layer, scale, window, cap = c.layer, a["scale"], a["sliding_window"], a["soft_cap"]
+            extra = {"kv_scales": self.kv_scales[layer]} if fp8_kv else {}  # backends without fp8 never see it
             def run(env):
-                env[outs[0]] = fn(env[ins[0]], self.kv_caches[layer], env["meta"], scale, window, cap)
+                env[outs[0]] = fn(env[ins[0]], self.kv_caches[layer], env["meta"], scale, window, cap, **extra)
+        elif kind == "moe":
+            w13, w2 = self.tensors[c.params["w13"]], self.tensors[c.params["w2"]]
+            top_k, renorm, layer = a["top_k"], a["renormalize"], c.layer
+            def run(env):
+                x, logits, *shared = (env[i] for i in ins)
+                env[outs[0]], env[outs[1]] = fn(x, logits, w13, w2, top_k, renorm, *shared)
+                self.expert_counts[layer] = env[outs[1]]
         elif kind.startswith("fused_"):
             fn = getattr(self.backend, kind)
             params = {role: self.tensors[name] for role, name in c.params.items()}

@@ -45,8 +45,8 @@ class SamplingParams:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 or -1 disables)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            bad("top_k", "must be an integer in [0, 2**31) (0 or -1 disables)")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         if not -2 <= self.presence_penalty <= 2:
@@ -63,8 +63,9 @@ class SamplingParams:
             bad("logprobs", "must be >= 0")
         if any(not s for s in self.stop_strings):
             bad("stop", "must not contain empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        # Seeds travel to the backends as int64.
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            bad("seed", "must be an integer in [-2**63, 2**63)")
 
     @property
     def greedy(self) -> bool:

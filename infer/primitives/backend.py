@@ -38,6 +38,9 @@ class Backend(ABC):
     kv_cache_layout: ClassVar[str] = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
     dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     weight_kinds: ClassVar[tuple[str, ...]] = ("dense",)
+    # KV cache storage kv_write/attention handle: 'auto' (the model dtype) and
+    # 'fp8' (e4m3 codes with per-tensor scales, see spec.kv_write).
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     # Backend that serves what this one does not; None means it must do all.
     fallback: ClassVar[str | None] = "torch"
 
@@ -56,8 +59,9 @@ class Backend(ABC):
         """Whether `primitive` runs here for the static properties in `kw`.
 
         Keys the core may pass: ``dtype`` (a name from FLOAT_DTYPES),
-        ``weight_kind`` (linear), ``head_dim``, ``sliding_window`` (bool),
-        ``soft_cap`` (bool). Unknown keys must be ignored. The default
+        ``weight_kind`` (linear, embedding of a quantized table),
+        ``kv_cache_dtype`` (kv_write, attention; only when not 'auto'), ``head_dim``, ``sliding_window`` (bool),
+        ``soft_cap`` (bool), ``shared_expert`` (bool, moe). Unknown keys must be ignored. The default
         answer: implemented methods support the declared dtypes and weight kinds.
         """
         if primitive not in PRIMITIVES:
@@ -70,6 +74,9 @@ class Backend(ABC):
         kind = kw.get("weight_kind")
         if kind is not None and kind not in self.weight_kinds:
             return Support(False, f"backend '{self.name}' supports weights {self.weight_kinds}, not {kind}")
+        cache = kw.get("kv_cache_dtype")
+        if cache is not None and primitive in ("kv_write", "attention") and cache not in self.kv_cache_dtypes:
+            return Support(False, f"backend '{self.name}' keeps KV caches as {self.kv_cache_dtypes}, not {cache}")
         return Support(True)
 
     def fuses(self, node_op: str, **attrs: Any) -> Support:

@@ -9,7 +9,9 @@ least float32. The executable form of each semantic is in
 `infer.backends.cpu_ref`.
 
 embedding(ids, table) -> [T, H]
-    ids [T] int, table [V, H]: row gather, ``table[ids]``.
+    ids [T] int, table [V, H]: row gather, ``table[ids]``. ``table`` may also
+    be a quantized `WeightHandle` (a tied, quantized lm_head): the gathered
+    rows are dequantized and returned in the handle's ``dtype``.
 
 rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
     x [T, H], weight [H]. ``y = x / sqrt(mean(x**2) + eps) * weight``.
@@ -36,22 +38,33 @@ kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None
     ``slot_mapping[t]`` (block ``slot // block_size``, offset
     ``slot % block_size``); slots of -1 are skipped. ``scales`` (k_scale,
     v_scale) is for quantized caches and is None for a cache in the model dtype.
+    An fp8 cache (allocated with dtype 'fp8', asked for with
+    ``kv_cache_dtype='fp8'``) stores e4m3fn codes of ``k / k_scale`` and
+    ``v / v_scale``, rounded to nearest even and saturated at +-448
+    (`infer.primitives.fp8`).
 
-attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None) -> [T, Hq, D]
+attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None) -> [T, Hq, D]
     Causal paged attention over a mixed prefill/decode batch described by
     `AttentionMetadata`, after this step's K/V went through `kv_write`. Query
     head h reads KV head ``h // (Hq // Hk)`` (GQA/MQA). Scores are
     ``scale * q.k``; with ``soft_cap`` c, ``c * tanh(score / c)``. A query at
     position p sees key positions j with ``j <= p`` and, with a window W,
-    ``p - j < W``. Softmax in float32.
+    ``p - j < W``. Softmax in float32. With an fp8 cache, ``kv_scales``
+    (k_scale, v_scale) is given and K/V are read as ``e4m3(code) * scale``.
 
-moe(x, router_logits, w13, w2, top_k, renormalize) -> (out [T, H], tokens_per_expert [E])
+moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None) -> (out [T, H], tokens_per_expert [E])
     x [T, H], router_logits [T, E] (x's dtype or float32), w13 [E, 2I, H] (gate rows then up rows),
     w2 [E, H, I]. Gating: float32 softmax over E, the top_k experts per token
     (lowest expert id first on ties), weights renormalised to sum to 1 when
     ``renormalize``. Each chosen expert e computes
     ``(silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)) @ w2[e].T``; the output is
     the gate-weighted sum. tokens_per_expert [E] int64 counts routed tokens.
+    Optional shared expert (Qwen2-MoE, DeepSeek): ``shared`` [T, H] in x's
+    dtype, the output of an always-on expert the core computes as an MLP, is
+    added to that sum, scaled by ``sigmoid(shared_gate)`` when ``shared_gate``
+    [T, 1] (gate logits, x's dtype) is given. The sum is taken in float32 and
+    rounded once. `Ops.resolve` passes ``shared_expert=True`` when a model
+    uses it, so a backend without it can decline and fall back.
 
 sample(logits, params) -> SampleOutput
     logits [B, V] float32 with a `SamplingTensors` row per request; see
@@ -129,6 +142,8 @@ def _check_same_dtype(prim: str, name: str, x: Any, ref_dtype: str) -> None:
 def check_embedding(ids, table) -> None:
     _check_rank("embedding", "ids", ids, 1, "[T]")
     _check_int("embedding", "ids", ids)
+    if isinstance(table, WeightHandle):
+        return
     _check_rank("embedding", "table", table, 2, "[V, H]")
     _check_float("embedding", "table", table)
 
@@ -190,7 +205,7 @@ def check_kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
     _check_int("kv_write", "slot_mapping", slot_mapping)
 
 
-def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None) -> None:
+def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None) -> None:
     t, _, _ = _check_rank("attention", "q", q, 3, "[T, Hq, D]")
     _check_float("attention", "q", q)
     if not isinstance(meta, AttentionMetadata):
@@ -203,7 +218,7 @@ def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None
         raise PrimitiveArgumentError("attention", "soft_cap", f"must be > 0 or None, got {soft_cap}")
 
 
-def check_moe(x, router_logits, w13, w2, top_k, renormalize) -> None:
+def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None) -> None:
     t, h = _check_rank("moe", "x", x, 2, "[T, H]")
     dt = _check_float("moe", "x", x)
     tr, e = _check_rank("moe", "router_logits", router_logits, 2, "[T, E]")
@@ -218,6 +233,15 @@ def check_moe(x, router_logits, w13, w2, top_k, renormalize) -> None:
     _check_same_dtype("moe", "w2", w2, dt)
     if not 1 <= top_k <= e:
         raise PrimitiveArgumentError("moe", "top_k", f"must be in [1, {e}], got {top_k}")
+    if shared is not None:
+        if _shape(shared) != (t, h):
+            raise PrimitiveArgumentError("moe", "shared", f"must be [{t}, {h}] like x, got {_shape(shared)}")
+        _check_same_dtype("moe", "shared", shared, dt)
+    if shared_gate is not None:
+        if shared is None:
+            raise PrimitiveArgumentError("moe", "shared_gate", "is given without 'shared', which it would scale")
+        if _check_rank("moe", "shared_gate", shared_gate, 2, "[T, 1]") != (t, 1):
+            raise PrimitiveArgumentError("moe", "shared_gate", f"must be [{t}, 1], got {_shape(shared_gate)}")
 
 
 def check_sample(logits, params) -> None:

@@ -204,6 +204,97 @@ class DenseWeight(WeightHandle):
         return int(self.weight.shape[1])
 
 
+# Quantized handles. Their arrays are the owning backend's tensors (NumPy on
+# the host and in `cpu_ref`); `infer.backends.cpu_ref.quant` is their spec in
+# code. ``dtype`` names the float dtype the model computes in: the dtype of
+# `linear`'s result and of rows an `embedding` gathers from a quantized table.
+# Scales stay float32 whatever ``dtype`` is, so the stored weight is exact.
+
+
+@dataclass(slots=True)
+class Int4GroupWeight(WeightHandle):
+    """4-bit weight ``[N, K]`` in groups of ``group_size`` along K:
+    ``w[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G]`` with q in 0..15.
+
+    One affine form covers every published int4 format: AWQ/GPTQ's
+    ``(q - zero) * scale`` (offset = -zero * scale) and GGUF's Q4_0
+    ``d * (q - 8)`` and Q4_1 ``d * q + m``.
+
+      qweight  [N, K/2] uint8: q[n, 2j] in the low nibble of byte j, q[n, 2j+1] in the high.
+      scales   [N, K/G] float32.   offsets [N, K/G] float32.
+    """
+
+    kind: ClassVar[str] = "int4_group"
+    qweight: Any
+    scales: Any
+    offsets: Any
+    group_size: int
+    bias: Any = None
+    dtype: str = "float32"
+    prepared: Any = field(default=None, repr=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return 2 * int(self.qweight.shape[1])
+
+
+@dataclass(slots=True)
+class Int8GroupWeight(WeightHandle):
+    """8-bit weight ``[N, K]``: ``w[n, k] = q[n, k] * scales[n, k // G]`` (GGUF Q8_0: G = 32).
+
+      qweight  [N, K] int8.   scales [N, K/G] float32.
+    """
+
+    kind: ClassVar[str] = "int8_group"
+    qweight: Any
+    scales: Any
+    group_size: int
+    bias: Any = None
+    dtype: str = "float32"
+    prepared: Any = field(default=None, repr=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[1])
+
+
+@dataclass(slots=True)
+class Fp8Weight(WeightHandle):
+    """fp8 e4m3 (the ``fn`` variant: max 448, no infinities) weight ``[N, K]``:
+    ``w[n, k] = e4m3(qweight[n, k]) * scales[n]`` (per channel) or ``* scales[0]`` (per tensor).
+
+      qweight  [N, K] uint8 holding e4m3fn bit patterns (NumPy has no fp8;
+               a torch backend may view them as torch.float8_e4m3fn).
+      scales   [N] or [1] float32.
+    """
+
+    kind: ClassVar[str] = "fp8"
+    qweight: Any
+    scales: Any
+    bias: Any = None
+    dtype: str = "float32"
+    prepared: Any = field(default=None, repr=False)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[1])
+
+
+QUANTIZED_KINDS = (Int4GroupWeight.kind, Int8GroupWeight.kind, Fp8Weight.kind)
+
+
 def round_to_dtype(x, dtype: str):
     """Float32 NumPy copy of `x` with values rounded to `dtype` (nearest-even).
 

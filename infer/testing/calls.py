@@ -17,6 +17,7 @@ import numpy as np
 from ..primitives.backend import Backend
 from ..primitives.types import DenseWeight, SampleOutput, dtype_name
 from ..registry import Ops
+from .quant_inputs import handle as quantized_handle
 
 
 class Harness:
@@ -52,6 +53,13 @@ class Harness:
 
 
 def call_embedding(h: Harness, x: dict) -> None:
+    if x["quant"] is not None:
+        table = quantized_handle(x["quant"], h.i, None, h.dtype)
+        # Prepared as the runner prepares a tied lm_head: by linear's provider.
+        table = h.ops.provider("linear", dtype=h.dtype, weight_kind=table.kind).prepare_weight(table)
+        like = h.f(np.zeros(0, np.float32))  # the backend's storage of the case dtype
+        h.out("out", h.fn("embedding", weight_kind=table.kind)(h.i(x["ids"]), table), like=like)
+        return
     table = h.f(x["table"])
     h.out("out", h.fn("embedding")(h.i(x["ids"]), table), like=table)
 
@@ -69,8 +77,12 @@ def call_rms_norm(h: Harness, x: dict) -> None:
 
 def call_linear(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    weight = h.backend.prepare_weight(DenseWeight(h.f(x["weight"]), h.f(x["bias"])))
-    h.out("out", h.fn("linear", weight_kind="dense")(xx, weight), like=xx)
+    if x["quant"] is not None:
+        weight = quantized_handle(x["quant"], h.i, h.f(x["bias"]), h.dtype)
+    else:
+        weight = DenseWeight(h.f(x["weight"]), h.f(x["bias"]))
+    weight = h.ops.provider("linear", dtype=h.dtype, weight_kind=weight.kind).prepare_weight(weight)
+    h.out("out", h.fn("linear", weight_kind=weight.kind)(xx, weight), like=xx)
 
 
 def call_rotary(h: Harness, x: dict) -> None:
@@ -86,19 +98,39 @@ def call_act_and_mul(h: Harness, x: dict) -> None:
     h.out("out", h.fn("act_and_mul")(xx, x["kind"]), like=xx)
 
 
-def _cache_outputs(h: Harness, cache: Any, shape: tuple[int, ...]) -> None:
-    k, v = h.backend.kv_cache_to_numpy(cache)
+def _cache_outputs(h: Harness, cache: Any, shape: tuple[int, ...], owner: Backend | None = None) -> None:
+    k, v = (owner or h.backend).kv_cache_to_numpy(cache)
     for name, c in (("k_cache", k), ("v_cache", v)):
         if tuple(c.shape) != shape:
             h.problems.append(f"kv_cache_to_numpy gave {name} shape {tuple(c.shape)}, expected {shape}")
         h.outputs[name] = np.asarray(c, dtype=np.float32)
 
 
+def _kv(h: Harness, x: dict, primitive: str, helper: bool = False, **kw: Any):
+    """(implementation, backend that owns the cache) for the case's cache dtype."""
+    if x.get("kv_scales") is None:
+        return h.fn(primitive, helper=helper, **kw), h.backend
+    fn = h.fn(primitive, helper=helper, kv_cache_dtype="fp8", **kw)
+    return fn, h.ops.provider("kv_write", dtype=h.dtype, kv_cache_dtype="fp8")
+
+
+def _allocate(h: Harness, x: dict, owner: Backend) -> Any:
+    """The case's cache. An fp8 cache is uint8 codes in the layout of the
+    backend that writes it, placed by the backend under test (a fallback
+    instance may not know the device, as under the Ascend emulation)."""
+    if not x.get("kv_scales"):
+        return h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
+    if owner is h.backend:
+        return owner.allocate_kv_cache(*x["cache_shape"], "fp8")
+    return h.backend.asarray(np.zeros(owner.kv_cache_shape(*x["cache_shape"]), np.uint8))
+
+
 def call_kv_write(h: Harness, x: dict) -> None:
-    fn = h.fn("kv_write")
-    cache = h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
-    fn(h.f(x["k"]), h.f(x["v"]), cache, h.i(x["slot_mapping"]), None)
-    _cache_outputs(h, cache, x["cache_shape"])
+    fn, owner = _kv(h, x, "kv_write")
+    cache = _allocate(h, x, owner)
+    fn(h.f(x["k"]), h.f(x["v"]), cache, h.i(x["slot_mapping"]), x["kv_scales"])
+    # An fp8 cache comes back as its codes' values: backends must store the same codes.
+    _cache_outputs(h, cache, x["cache_shape"], owner)
 
 
 def call_copy_blocks(h: Harness, x: dict) -> None:
@@ -113,23 +145,28 @@ def call_copy_blocks(h: Harness, x: dict) -> None:
 
 def call_attention(h: Harness, x: dict) -> None:
     d = x["q"].shape[-1]
-    fn = h.fn("attention", head_dim=d, sliding_window=x["sliding_window"] is not None, soft_cap=x["soft_cap"] is not None)
-    write = h.fn("kv_write", helper=True)
-    cache = h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
+    fn, owner = _kv(h, x, "attention", head_dim=d, sliding_window=x["sliding_window"] is not None,
+                    soft_cap=x["soft_cap"] is not None)
+    write, _ = _kv(h, x, "kv_write", helper=True)
+    scales = x.get("kv_scales")
+    cache = _allocate(h, x, owner)
     # The cached context arrives in an earlier step, this step's K/V just
     # before attention: the order the model runner uses.
     if len(x["cached_slots"]):
-        write(h.f(x["cached_k"]), h.f(x["cached_v"]), cache, h.i(x["cached_slots"]), None)
+        write(h.f(x["cached_k"]), h.f(x["cached_v"]), cache, h.i(x["cached_slots"]), scales)
     meta = h.backend.prepare_metadata(x["meta"])
     if len(x["new_k"]):
-        write(h.f(x["new_k"]), h.f(x["new_v"]), cache, meta.slot_mapping, None)
+        write(h.f(x["new_k"]), h.f(x["new_v"]), cache, meta.slot_mapping, scales)
     q = h.f(x["q"])
-    h.out("out", fn(q, cache, meta, x["scale"], x["sliding_window"], x["soft_cap"]), like=q)
+    extra = {"kv_scales": scales} if scales else {}
+    h.out("out", fn(q, cache, meta, x["scale"], x["sliding_window"], x["soft_cap"], **extra), like=q)
 
 
 def call_moe(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    out, counts = h.fn("moe")(xx, h.f(x["router_logits"]), h.f(x["w13"]), h.f(x["w2"]), x["top_k"], x["renormalize"])
+    shared = () if x["shared"] is None else (h.f(x["shared"]), h.f(x["shared_gate"]))
+    fn = h.fn("moe", shared_expert=True) if shared else h.fn("moe")
+    out, counts = fn(xx, h.f(x["router_logits"]), h.f(x["w13"]), h.f(x["w2"]), x["top_k"], x["renormalize"], *shared)
     h.out("out", out, like=xx)
     h.out("tokens_per_expert", counts, dtype="int64")
 

@@ -75,6 +75,9 @@ def _attention_specs(block_size: int) -> list[tuple[str, dict]]:
         ("sliding_window8_gqa3_d64", dict(reqs=mixed, hq=6, d=64, sliding_window=8)),
         ("soft_cap_gqa3_d64", dict(reqs=mixed, hq=6, d=64, soft_cap=5.0, q_scale=4.0)),
         ("window_soft_cap_gqa8_d128", dict(reqs=mixed, hq=16, d=128, sliding_window=5, soft_cap=3.0, q_scale=3.0)),
+        # fp8 (e4m3) caches: K and V stored as codes of value / scale.
+        ("fp8_kv_mixed_gqa3_d64", dict(reqs=mixed, hq=6, d=64, kv_scales=(0.5, 2.0))),
+        ("fp8_kv_decode_gqa8_d128", dict(reqs=[(1, 9), (1, 40), (1, 3)], hq=16, d=128, kv_scales=(0.25, 1.0))),
     ]
     if block_size != 16:
         b = block_size
@@ -92,6 +95,8 @@ def _kv_write_specs(block_size: int) -> list[tuple[str, dict]]:
         ("padded_minus1_slots", dict(t=12, slots="padded")),
         ("one_token", dict(t=1, slots="scattered")),
         ("empty_batch", dict(t=0, slots="scattered")),
+        ("fp8_scattered", dict(t=12, slots="scattered", kv_scales=(0.5, 2.0))),
+        ("fp8_padded_minus1_slots", dict(t=12, slots="padded", kv_scales=(1.0, 0.25))),
     ]
     if block_size != 16:
         specs.append((f"contiguous_bs{block_size}", dict(t=20, slots="contiguous", block_size=block_size)))
@@ -120,12 +125,28 @@ _SAMPLE_SPECS = [
 ]
 
 
+# Quantized weights (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8): 1, a few and many
+# rows, since backends switch kernels with the row count; N=40 is not a
+# multiple of 16, which packed int4 kernels need.
+_QUANT_LINEAR_SPECS = [
+    *[(f"{q}_{name}", dict(spec, quant=q)) for q in ("int4", "int8", "fp8") for name, spec in (
+        ("one_token", dict(t=1, k=64, n=48)), ("t5_bias", dict(t=5, k=64, n=48, bias=True)),
+        ("t40", dict(t=40, k=96, n=32)), ("empty_batch", dict(t=0, k=64, n=48)))],
+    ("int4_g128_k256_n48", dict(t=3, k=256, n=48, quant="int4", group=128)),
+    ("int4_g64_n40", dict(t=2, k=128, n=40, quant="int4", group=64)),
+    ("int8_g64_t3", dict(t=3, k=128, n=48, quant="int8", group=64)),
+    ("fp8_per_tensor", dict(t=5, k=64, n=48, quant="fp8_tensor", bias=True)),
+]
+
+
 def all_cases(block_size: int = 16) -> list[Case]:
     """Every case, for a backend whose preferred KV block size is `block_size`."""
     cases: list[Case] = []
     cases += _each_dtype("embedding", [
         ("tokens7", dict(t=7)), ("ids_int32", dict(t=7, id_dtype="int32")),
         ("one_token", dict(t=1)), ("empty_batch", dict(t=0)),
+        ("int8_table", dict(t=7, quant="int8")), ("int4_table", dict(t=7, quant="int4")),
+        ("fp8_table", dict(t=7, quant="fp8")),
     ])
     cases += _each_dtype("rms_norm", [
         ("h64", dict(t=5, h=64)), ("residual_h64", dict(t=5, h=64, residual=True)),
@@ -136,6 +157,7 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("k64_n48", dict(t=5, k=64, n=48)), ("bias_k80_n40", dict(t=5, k=80, n=40, bias=True)),
         ("one_token", dict(t=1, k=64, n=48, bias=True)), ("empty_batch", dict(t=0, k=64, n=48)),
     ])
+    cases += _each_dtype("linear", _QUANT_LINEAR_SPECS)
     cases += _each_dtype("rotary", [
         ("neox_d64", dict(d=64, neox=True)), ("gptj_d64", dict(d=64, neox=False)),
         ("neox_d80", dict(d=80, neox=True)), ("neox_partial_d128_r64", dict(d=128, rot=64, neox=True)),
@@ -155,6 +177,14 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("top1_ties_lowest_id", dict(top_k=1, renormalize=False, ties=2)),
         ("top2_ties_lowest_id", dict(top_k=2, renormalize=True, ties=3)),
         ("one_token", dict(t=1, top_k=2, renormalize=True)), ("empty_batch", dict(t=0, top_k=2, renormalize=True)),
+        ("top4_e16", dict(top_k=4, e=16, renormalize=True)), ("top2_e4", dict(top_k=2, e=4, renormalize=False)),
+        ("top1_e16_empty_experts", dict(t=3, top_k=1, e=16, renormalize=False)),
+        ("top1_all_to_one_expert", dict(top_k=1, renormalize=True, hot_expert=5)),
+        ("top2_all_to_one_expert_e4", dict(top_k=2, e=4, renormalize=True, hot_expert=0)),
+        ("top4_one_token_e8", dict(t=1, top_k=4, renormalize=False)),
+        ("shared_gated_top4", dict(top_k=4, renormalize=False, shared="gated")),
+        ("shared_plain_top2", dict(top_k=2, renormalize=True, shared="plain")),
+        ("shared_gated_one_token", dict(t=1, top_k=2, renormalize=False, shared="gated")),
     ])
     # Logits are float32 by contract, so sampling has float32 cases only.
     cases += _each_dtype("sample", _SAMPLE_SPECS, dtypes=("float32",))

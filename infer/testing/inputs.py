@@ -14,14 +14,18 @@ from typing import Any
 import numpy as np
 
 from ..primitives.types import AttentionMetadata, SamplingTensors, round_to_dtype
+from .quant_inputs import host_fields
 
 
 def _normal(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
     return round_to_dtype(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
 
 
-def embedding(rng, dtype, t, v=64, h=32, id_dtype="int64"):
-    return {"ids": rng.integers(0, v, t).astype(id_dtype), "table": _normal(rng, (v, h), dtype)}
+def embedding(rng, dtype, t, v=64, h=32, id_dtype="int64", quant=None):
+    ids = rng.integers(0, v, t).astype(id_dtype)
+    if quant:  # a quantized (tied lm_head) table
+        return {"ids": ids, "table": None, "quant": host_fields(rng, v, h, quant)}
+    return {"ids": ids, "table": _normal(rng, (v, h), dtype), "quant": None}
 
 
 def rms_norm(rng, dtype, t, h, residual=False, scale=1.0):
@@ -33,10 +37,11 @@ def rms_norm(rng, dtype, t, h, residual=False, scale=1.0):
     }
 
 
-def linear(rng, dtype, t, k, n, bias=False):
+def linear(rng, dtype, t, k, n, bias=False, quant=None, group=32):
     return {
         "x": _normal(rng, (t, k), dtype),
-        "weight": _normal(rng, (n, k), dtype, k**-0.5),
+        "weight": None if quant else _normal(rng, (n, k), dtype, k**-0.5),
+        "quant": host_fields(rng, n, k, quant, group) if quant else None,
         "bias": _normal(rng, (n,), dtype, 0.1) if bias else None,
     }
 
@@ -58,7 +63,9 @@ def act_and_mul(rng, dtype, kind, t=5, i=40):
     return {"x": _normal(rng, (t, 2 * i), dtype, 2.0), "kind": kind}
 
 
-def kv_write(rng, dtype, t, slots, hk=2, d=64, block_size=16, num_blocks=4):
+def kv_write(rng, dtype, t, slots, hk=2, d=64, block_size=16, num_blocks=4, kv_scales=None):
+    """`kv_scales`: (k_scale, v_scale) of an fp8 cache (powers of two here, so
+    dividing by them is exact and every backend rounds the same value)."""
     capacity = num_blocks * block_size
     if slots == "contiguous":  # starts 5 slots before a block ends, so it crosses into the next
         mapping = np.arange(block_size - 5, block_size - 5 + t)
@@ -72,6 +79,7 @@ def kv_write(rng, dtype, t, slots, hk=2, d=64, block_size=16, num_blocks=4):
         "v": _normal(rng, (t, hk, d), dtype),
         "slot_mapping": mapping,
         "cache_shape": (num_blocks, block_size, hk, d),
+        "kv_scales": kv_scales,
     }
 
 
@@ -87,7 +95,8 @@ def copy_blocks(rng, dtype, src, dst, hk=2, d=64, block_size=16, num_blocks=5):
     }
 
 
-def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0):
+def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0,
+              kv_scales=None):
     """A paged batch: `reqs` is (q_len, seq_len) per request.
 
     Blocks are shuffled and block 0 is never used, so a backend that ignores
@@ -130,17 +139,21 @@ def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None,
         "new_k": cat(new_k, (hk, d)), "new_v": cat(new_v, (hk, d)),
         "meta": meta,
         "cache_shape": (int(physical.max(initial=0)) + 1, block_size, hk, d),
-        "scale": d**-0.5, "sliding_window": sliding_window, "soft_cap": soft_cap,
+        "scale": d**-0.5, "sliding_window": sliding_window, "soft_cap": soft_cap, "kv_scales": kv_scales,
     }
 
 
-def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0):
+def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_expert=None, shared=None):
+    """`hot_expert`: every token's top choice is that expert. `shared`:
+    'gated' (Qwen2-MoE's sigmoid-gated shared expert) or 'plain'."""
     # Router logits spaced >= 0.25 apart so no dtype rounding creates a tie by
     # accident; `ties` then makes the lowest-id-first rule decide on purpose.
     logits = np.stack([rng.permutation(e) * 0.5 - 2.0 + rng.uniform(0, 0.1, e) for _ in range(t)]) if t else np.zeros((0, e))
     for row in logits[: t if ties else 0]:
         tied = rng.choice(e, size=ties, replace=False)
         row[tied] = row.max() + 0.5
+    if hot_expert is not None and t:
+        logits[:, hot_expert] = logits.max(axis=1) + 1.0
     return {
         "x": _normal(rng, (t, h), dtype),
         "router_logits": round_to_dtype(logits, dtype),
@@ -148,6 +161,8 @@ def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0):
         "w2": _normal(rng, (e, h, i), dtype, i**-0.5),
         "top_k": top_k,
         "renormalize": renormalize,
+        "shared": _normal(rng, (t, h), dtype) if shared else None,
+        "shared_gate": _normal(rng, (t, 1), dtype, 2.0) if shared == "gated" else None,
     }
 
 

@@ -1,8 +1,8 @@
-"""The `ascend` backend plugin (Huawei Ascend 910B through torch_npu).
+"""The `ascend` backend plugin (Huawei Ascend 910B through torch_npu's fused ops).
 
-Its torch_npu kernels are not written yet, so every primitive is served by the
-`torch` backend on the NPU by declaration (`fallback`). Without torch_npu and
-Huawei's CANN toolkit it reports why it is unavailable.
+torch_npu is imported only when a primitive runs, never at plugin load: on a
+machine without it (or without Huawei's CANN toolkit) the backend is listed as
+unavailable with the reason. docs/backends/ascend.md says how to run it.
 """
 
 from ...primitives.hookspecs import hookimpl

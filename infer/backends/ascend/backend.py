@@ -1,33 +1,107 @@
+"""`AscendBackend`: Huawei Ascend NPUs through torch_npu's fused ops, XY-Serve style.
+
+Native: rms_norm (npu_rms_norm / npu_add_rms_norm), rotary (npu_rotary_mul),
+act_and_mul (npu_swiglu for silu), kv_write (npu_scatter_pa_kv_cache),
+attention (npu_fused_infer_attention_score over the planner's tiles), moe
+(gating top-k, init routing v2, grouped matmul, token unpermute) and linear
+(SmoothGEMM row tiles). Everything else, and what `supports` declines, is the
+`torch` backend's code running on the NPU.
+"""
+
 from __future__ import annotations
 
-import importlib.util
+from typing import Any
 
-from ...primitives.types import Support
-from ..torch_native.plumbing import TorchPlumbing
+import numpy as np
+import torch
+
+from ...primitives.types import AttentionMetadata, Support
+from ..torch_native.plumbing import TORCH_DTYPES, TorchPlumbing
+from . import attention as attn
+from . import layers, linear, moe
+from .availability import probe, tensor_device
+
+# Why attention goes to torch for a static property (the core asks once per layer).
+_ATTENTION_DECLINES = {
+    "sliding_window": "npu_fused_infer_attention_score's band mode (sparse_mode=4) is not wired up for sliding windows",
+    "soft_cap": "npu_fused_infer_attention_score has no logit soft-cap",
+}
 
 
 class AscendBackend(TorchPlumbing):
     name = "ascend"
     description = "Huawei Ascend NPUs through torch_npu fused ops, XY-Serve style"
     dist_backend = "hccl"
-    # vllm-ascend's block size on 910B.
+    # vllm-ascend's block size on 910B; the fused attention pages by 128..512.
     preferred_block_size = 128
+    kv_cache_layout = "[2, num_blocks, block_size, num_kv_heads, head_dim] (K, V caches for npu_scatter_pa_kv_cache)"
     dtypes = ("float32", "float16", "bfloat16")
+    weight_kinds = ("dense",)
     fallback = "torch"
 
+    def __init__(self, device: str | None = None):
+        super().__init__(device)
+        # Tensors go to the NPU; under the test emulation, to the host.
+        self.placement = tensor_device(self.device)
+
     def default_device(self) -> str:
-        return "npu"
+        return "npu:0"
 
     @classmethod
     def is_available(cls) -> Support:
-        if importlib.util.find_spec("torch_npu") is None:
-            return Support(False, "torch_npu not installed (pip install 'infer[ascend]' on a host with Huawei's CANN toolkit)")
-        try:
-            import torch_npu  # noqa: F401
-        except Exception as exc:  # ImportError: libhccl.so without CANN
-            return Support(False, f"torch_npu not importable: {exc} (install the CANN toolkit)")
-        import torch
+        return probe()
 
-        if not torch.npu.is_available():
-            return Support(False, "torch_npu imported but no NPU is visible (torch.npu.is_available() is False)")
-        return Support(True)
+    def supports(self, primitive: str, **kw: Any) -> Support:
+        base = super().supports(primitive, **kw)
+        if not base or primitive not in ("attention", "moe"):
+            return base
+        if primitive == "moe":
+            if kw.get("shared_expert"):
+                return Support(False, "backend 'ascend' moe has no shared expert yet")
+            return base
+        if kw.get("dtype") == "float32":
+            return Support(False, "npu_fused_infer_attention_score takes float16/bfloat16 queries only")
+        for key, reason in _ATTENTION_DECLINES.items():
+            if kw.get(key):
+                return Support(False, reason)
+        head_dim = kw.get("head_dim")
+        if head_dim is not None and head_dim % 16:
+            return Support(False, f"npu_fused_infer_attention_score needs a 16-aligned head_dim, got {head_dim}")
+        return base
+
+    # -- plumbing on `placement` -------------------------------------------------
+    def asarray(self, x: np.ndarray, dtype: str | None = None) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        if dtype is not None:
+            t = t.to(TORCH_DTYPES[dtype])
+        return t.to(self.placement)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> torch.Tensor:
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=self.placement)
+
+    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Device copies plus the step's XY-Serve tiles, planned once on the host for every layer."""
+        out = super().prepare_metadata(meta)
+        out.backend_data = attn.plan_step(meta.query_start_loc, meta.seq_lens, self.placement)
+        return out
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+    def memory_info(self) -> tuple[int, int] | None:
+        _, total = torch.npu.mem_get_info(self.device)
+        return int(total), int(torch.npu.max_memory_reserved(self.device))
+
+    def reset_peak_memory(self) -> None:
+        torch.npu.empty_cache()
+        torch.npu.reset_peak_memory_stats(self.device)
+
+    # -- primitives -------------------------------------------------------------
+    rms_norm = staticmethod(layers.rms_norm)
+    rotary = staticmethod(layers.rotary)
+    act_and_mul = staticmethod(layers.act_and_mul)
+    linear = staticmethod(linear.linear)
+    kv_write = staticmethod(attn.kv_write)
+    attention = staticmethod(attn.attention)
+    moe = staticmethod(moe.moe)

@@ -1,17 +1,22 @@
 """Paged KV cache write and paged attention, one request at a time.
 
-Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32.
+Cache layout: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32,
+or uint8 e4m3fn codes for an fp8 cache (values divided by the layer's scale).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ...primitives.fp8 import e4m3_decode, e4m3_encode
 from ...primitives.types import AttentionMetadata
 
 
 def kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
     block_size = kv_cache.shape[2]
+    if kv_cache.dtype == np.uint8:  # fp8: store the codes of the scaled-down values
+        k_scale, v_scale = scales if scales is not None else (1.0, 1.0)
+        k, v = e4m3_encode(np.asarray(k, np.float64) / k_scale), e4m3_encode(np.asarray(v, np.float64) / v_scale)
     for t, slot in enumerate(slot_mapping):
         if slot < 0:  # padded row: nothing to store
             continue
@@ -20,15 +25,18 @@ def kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
         kv_cache[1, block, offset] = v[t]
 
 
-def gather_context(kv_cache, block_ids, seq_len):
+def gather_context(kv_cache, block_ids, seq_len, kv_scales=None):
     """K and V of one request's first `seq_len` positions: [seq_len, Hk, D] each."""
     _, _, block_size, hk, d = kv_cache.shape
     k = kv_cache[0, block_ids].reshape(-1, hk, d)[:seq_len]
     v = kv_cache[1, block_ids].reshape(-1, hk, d)[:seq_len]
+    if kv_cache.dtype == np.uint8:  # fp8 codes: value = e4m3(code) * scale
+        k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
+        return e4m3_decode(k).astype(np.float64) * k_scale, e4m3_decode(v).astype(np.float64) * v_scale
     return k.astype(np.float64), v.astype(np.float64)
 
 
-def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, soft_cap=None):
+def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, soft_cap=None, kv_scales=None):
     t, hq, d = q.shape
     hk = kv_cache.shape[3]
     group = hq // hk
@@ -39,7 +47,7 @@ def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, 
         if q_len == 0:
             continue
         n_blocks = -(-seq_len // meta.block_size)
-        k, v = gather_context(kv_cache, meta.block_table[b, :n_blocks], seq_len)
+        k, v = gather_context(kv_cache, meta.block_table[b, :n_blocks], seq_len, kv_scales)
         # Query head h reads KV head h // group.
         k = np.repeat(k, group, axis=1)
         v = np.repeat(v, group, axis=1)

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from ...primitives.backend import Backend
-from ...primitives.types import FLOAT_DTYPES, round_to_dtype
-from . import attention, moe, ops, sampling
+from ...primitives.fp8 import e4m3_decode
+from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, round_to_dtype
+from . import attention, moe, ops, quant, sampling
 
 
 class CpuRefBackend(Backend):
@@ -21,6 +22,8 @@ class CpuRefBackend(Backend):
     description = "NumPy reference: the executable spec and conformance oracle (slow by design)"
     dist_backend = "gloo"
     dtypes = FLOAT_DTYPES
+    weight_kinds = ("dense", *QUANTIZED_KINDS)
+    kv_cache_dtypes = ("auto", "fp8")
     fallback = None
 
     # -- plumbing -------------------------------------------------------------
@@ -36,15 +39,18 @@ class CpuRefBackend(Backend):
         return np.asarray(x)
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype) -> np.ndarray:
-        return np.zeros(self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=np.float32)
+        storage = np.uint8 if dtype == "fp8" else np.float32  # fp8: e4m3fn codes
+        return np.zeros(self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=storage)
 
     def kv_cache_to_numpy(self, kv_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if kv_cache.dtype == np.uint8:  # fp8 codes as their (unscaled) values
+            return e4m3_decode(kv_cache[0]), e4m3_decode(kv_cache[1])
         return kv_cache[0].copy(), kv_cache[1].copy()
 
     # -- primitives -------------------------------------------------------------
-    embedding = staticmethod(ops.embedding)
+    embedding = staticmethod(quant.embedding)
     rms_norm = staticmethod(ops.rms_norm)
-    linear = staticmethod(ops.linear)
+    linear = staticmethod(quant.linear)
     rotary = staticmethod(ops.rotary)
     act_and_mul = staticmethod(ops.act_and_mul)
     kv_write = staticmethod(attention.kv_write)

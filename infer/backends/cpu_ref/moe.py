@@ -1,4 +1,5 @@
-"""Routed experts: softmax top-k gating, SwiGLU experts, weighted combine."""
+"""Routed experts: softmax top-k gating, SwiGLU experts, weighted combine,
+plus the optional gated shared expert."""
 
 from __future__ import annotations
 
@@ -20,21 +21,28 @@ def route(router_logits, top_k, renormalize):
     return ids, weights
 
 
-def moe(x, router_logits, w13, w2, top_k, renormalize):
+def expert(x, w13_e, w2_e):
+    """One SwiGLU expert on the rows of x (float64)."""
+    i = w13_e.shape[0] // 2
+    gate = x @ w13_e[:i].astype(np.float64).T
+    up = x @ w13_e[i:].astype(np.float64).T
+    return (act(gate, "silu") * up) @ w2_e.astype(np.float64).T
+
+
+def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
     t, h = x.shape
-    n_experts, two_i, _ = w13.shape
-    i = two_i // 2
+    n_experts = w13.shape[0]
     ids, weights = route(router_logits, top_k, renormalize)
     x64 = x.astype(np.float64)
     out = np.zeros((t, h), dtype=np.float64)
     for e in range(n_experts):
         tokens, slot = np.nonzero(ids == e)
-        if tokens.size == 0:
+        if tokens.size == 0:  # an expert no token chose computes nothing
             continue
-        xe = x64[tokens]
-        gate = xe @ w13[e, :i].astype(np.float64).T
-        up = xe @ w13[e, i:].astype(np.float64).T
-        ye = (act(gate, "silu") * up) @ w2[e].astype(np.float64).T
+        ye = expert(x64[tokens], w13[e], w2[e])
         np.add.at(out, tokens, weights[tokens, slot][:, None] * ye)
+    if shared is not None:
+        scale = 1.0 if shared_gate is None else 1.0 / (1.0 + np.exp(-shared_gate.astype(np.float64)))
+        out += scale * shared.astype(np.float64)
     tokens_per_expert = np.bincount(ids.ravel(), minlength=n_experts).astype(np.int64)
     return out.astype(np.float32), tokens_per_expert

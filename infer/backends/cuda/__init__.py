@@ -1,9 +1,12 @@
-"""The `cuda` backend plugin (NVIDIA H100/A100 through Triton).
+"""The `cuda` backend plugin (NVIDIA H100/H200/A100 through Triton).
 
-Its Triton kernels are not written yet, so every primitive is served by the
-`torch` backend on the GPU by declaration (`fallback`); `infer backends` shows
-that coverage. On a machine without triton or a GPU it reports why it is
-unavailable.
+Triton kernels for paged attention (with flash-decoding splits), kv_write,
+rms_norm (+residual), rotary, act_and_mul and fused MoE; the other primitives
+are served by the `torch` backend on the same device by declaration
+(`fallback`), which `infer backends --coverage` shows. `graphs.DecodeGraphs`
+captures decode steps in CUDA graphs. With TRITON_INTERPRET=1 the kernels run
+on the CPU in Triton's interpreter (for tests); without a GPU or that variable
+the backend reports itself unavailable and why.
 """
 
 from ...primitives.hookspecs import hookimpl

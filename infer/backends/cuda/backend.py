@@ -1,9 +1,27 @@
+"""`CudaBackend`: Triton kernels for the hot primitives, `torch` for the rest.
+
+What runs where is declared, not patched: `NATIVE` lists the primitives this
+backend implements with its own kernels; everything else (embedding, linear,
+sample, collectives) is resolved to the `torch` backend on the same device by
+`fallback`. The KV layout is torch's, so kv_write, attention and copy_blocks
+agree whichever side serves them.
+
+The kernel modules are imported on first use: registering the plugin must
+stay cheap, and `@triton.jit` fixes interpreter-or-GPU when it runs, so it
+must not run before TRITON_INTERPRET has been read.
+"""
+
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from ...primitives.types import Support
 from ..torch_native.plumbing import TorchPlumbing
+from .launch import interpreting
+
+NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe")
+INTERPRETER_NOTE = "Triton interpreter mode (TRITON_INTERPRET=1): kernels run on the CPU, for testing only"
 
 
 class CudaBackend(TorchPlumbing):
@@ -15,14 +33,56 @@ class CudaBackend(TorchPlumbing):
     fallback = "torch"
 
     def default_device(self) -> str:
-        return "cuda"
+        return "cpu" if interpreting() else "cuda"
 
     @classmethod
     def is_available(cls) -> Support:
         if importlib.util.find_spec("triton") is None:
             return Support(False, "triton not installed (pip install 'infer[cuda]')")
+        if interpreting():
+            return Support(True, INTERPRETER_NOTE)
         import torch
 
         if not torch.cuda.is_available():
-            return Support(False, "no CUDA GPU visible to torch (torch.cuda.is_available() is False)")
+            return Support(False, "no CUDA GPU visible to torch (torch.cuda.is_available() is False); "
+                                  "TRITON_INTERPRET=1 runs the kernels on the CPU for testing")
         return Support(True)
+
+    def supports(self, primitive: str, **kw: Any) -> Support:
+        if primitive not in NATIVE:
+            return Support(False, f"backend 'cuda' has no kernel for {primitive}; served by '{self.fallback}'")
+        return super().supports(primitive, **kw)
+
+    # -- primitives (kernels imported on first call) ----------------------------
+    def rms_norm(self, x, weight, eps, residual=None):
+        from .norm import rms_norm
+
+        return rms_norm(x, weight, eps, residual)
+
+    def rotary(self, q, k, positions, cos_sin_cache, neox_style):
+        from .rotary import rotary
+
+        return rotary(q, k, positions, cos_sin_cache, neox_style)
+
+    def act_and_mul(self, x, kind):
+        from .activation import act_and_mul
+
+        return act_and_mul(x, kind)
+
+    def kv_write(self, k, v, kv_cache, slot_mapping, scales=None):
+        if scales is not None:
+            raise NotImplementedError("kv_write: backend 'cuda' has no quantized KV cache yet; allocate the cache in "
+                                      "the model dtype and pass scales=None")
+        from .kv_write import kv_write
+
+        kv_write(k, v, kv_cache, slot_mapping)
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None):
+        from .attention import paged_attention
+
+        return paged_attention(q, kv_cache, meta, scale, sliding_window, soft_cap)
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
+        from .moe import moe
+
+        return moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate)

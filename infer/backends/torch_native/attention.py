@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ...primitives.types import AttentionMetadata
+from . import fp8_kv
 
 # Gathered K+V per chunk of requests: past a few MiB the copies fall out of
 # cache, and on 2 cores a 32-request x 1k-context decode ran ~4x slower with
@@ -29,10 +30,11 @@ _SCORE_CHUNK = 1 << 22
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scales=None) -> None:
-    if scales is not None:
-        raise NotImplementedError(
-            "kv_write: backend 'torch' has no quantized KV cache; allocate the cache in the model dtype and pass scales=None"
-        )
+    if kv_cache.dtype == torch.uint8:  # an fp8 cache holds e4m3 codes of k / k_scale, v / v_scale
+        k_scale, v_scale = scales if scales is not None else (1.0, 1.0)
+        k, v = fp8_kv.quantize(k, k_scale), fp8_kv.quantize(v, v_scale)
+    elif scales is not None:
+        raise ValueError("kv_write: scales are for an fp8 cache; this cache is in the model dtype")
     hk, d = kv_cache.shape[-2:]
     # A view, so index_copy_ lands in the caller's cache (reshape could copy).
     flat = kv_cache.view(2, -1, hk, d)
@@ -253,11 +255,14 @@ def _explicit_attention(q, k, v, mask, scale, soft_cap):
     return out.transpose(2, 3).reshape(gs, hq, nq, d).to(q.dtype)
 
 
-def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap) -> torch.Tensor:
+def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_scales=None) -> torch.Tensor:
     """Attention of the requests of chunk `c`: [G * max_q, Hq, D], padded rows included."""
     g = c.g
     hq, d = q.shape[1:]
     k, v = _gather_kv(kv_cache, c)
+    if kv_cache.dtype == torch.uint8:  # fp8: only the gathered blocks are dequantized
+        k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
+        k, v = fp8_kv.dequantize(k, k_scale, q.dtype), fp8_kv.dequantize(v, v_scale, q.dtype)
     gs, hk = g.requests.numel(), k.shape[2]
     k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [G, Hk, L, D], strided
     if g.first_row >= 0:  # the chunk's queries are consecutive rows of q: a view
@@ -301,16 +306,17 @@ def _chunks(plan: AttentionPlan, gi: int, g: AttentionGroup, kv_cache, meta, win
     return chunks
 
 
-def _group_attention(q, kv_cache, meta, plan: AttentionPlan, gi: int, scale, window, soft_cap) -> torch.Tensor:
+def _group_attention(q, kv_cache, meta, plan: AttentionPlan, gi: int, scale, window, soft_cap,
+                     kv_scales=None) -> torch.Tensor:
     """[G * max_q, Hq, D] for a group, gathering at most ~_KV_CHUNK_BYTES of K/V at a time."""
     g = plan.groups[gi]
     chunks = _chunks(plan, gi, g, kv_cache, meta, window)
     if len(chunks) == 1:
-        return _chunk_attention(q, kv_cache, chunks[0], scale, window, soft_cap)
+        return _chunk_attention(q, kv_cache, chunks[0], scale, window, soft_cap, kv_scales)
     out = q.new_empty(g.requests.numel() * g.max_q, *q.shape[1:])
     row = 0
     for c in chunks:
-        part = _chunk_attention(q, kv_cache, c, scale, window, soft_cap)
+        part = _chunk_attention(q, kv_cache, c, scale, window, soft_cap, kv_scales)
         out[row : row + part.shape[0]] = part
         row += part.shape[0]
     return out
@@ -323,6 +329,7 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     plan = meta.backend_data
     if not isinstance(plan, AttentionPlan):
@@ -332,10 +339,10 @@ def attention(
         plan.memo_table = meta.block_table
     if plan.num_tokens == q.shape[0]:
         # One group answers every row: no zero-filled output to scatter into.
-        padded = _group_attention(q, kv_cache, meta, plan, 0, scale, sliding_window, soft_cap)
+        padded = _group_attention(q, kv_cache, meta, plan, 0, scale, sliding_window, soft_cap, kv_scales)
         return padded if plan.direct else padded.index_select(0, plan.out_rows)
     out = torch.zeros_like(q)  # rows past query_start_loc[-1] (padding) belong to no request
     for gi, g in enumerate(plan.groups):
-        padded = _group_attention(q, kv_cache, meta, plan, gi, scale, sliding_window, soft_cap)
+        padded = _group_attention(q, kv_cache, meta, plan, gi, scale, sliding_window, soft_cap, kv_scales)
         out.index_copy_(0, g.token_rows, padded.index_select(0, g.padded_rows))
     return out

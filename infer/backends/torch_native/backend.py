@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ...primitives.types import FLOAT_DTYPES, AttentionMetadata, WeightHandle
-from . import collectives, ops
-from . import linear as dense
+from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
+from . import collectives, ops, quant_linear
 from .attention import attention, kv_write, plan_attention
 from .moe import moe
 from .plumbing import TorchPlumbing
@@ -31,7 +30,8 @@ class TorchBackend(TorchPlumbing):
     dist_backend = _DistBackend()
     preferred_block_size = 16
     dtypes = FLOAT_DTYPES
-    weight_kinds = ("dense",)
+    weight_kinds = ("dense", *QUANTIZED_KINDS)
+    kv_cache_dtypes = ("auto", "fp8")
     fallback = None
 
     # -- plumbing -------------------------------------------------------------
@@ -42,14 +42,14 @@ class TorchBackend(TorchPlumbing):
         return out
 
     def prepare_weight(self, weight: WeightHandle) -> WeightHandle:
-        return dense.prepare_weight(weight)
+        return quant_linear.prepare_any(weight)
 
     # -- primitives -------------------------------------------------------------
-    embedding = staticmethod(ops.embedding)
+    embedding = staticmethod(quant_linear.embedding_any)
     rms_norm = staticmethod(ops.rms_norm)
     rotary = staticmethod(ops.rotary)
     act_and_mul = staticmethod(ops.act_and_mul)
-    linear = staticmethod(dense.linear)
+    linear = staticmethod(quant_linear.linear_any)
     kv_write = staticmethod(kv_write)
     attention = staticmethod(attention)
     moe = staticmethod(moe)

@@ -1,8 +1,21 @@
 """Routed experts: softmax top-k gating, then each expert on only its tokens.
 
-Tokens are sorted by expert so every expert runs one GEMM pair over a
-contiguous slice of the routed rows; the Python loop is over experts that got
-tokens, never over tokens, and no expert computes a token it was not routed.
+The T*top_k (token, choice) pairs are sorted by expert, and the token rows
+gathered once in that order. Two ways to run the experts over them:
+
+- grouped: each expert that got tokens runs one GEMM pair over its contiguous
+  slice of the sorted rows. No expert computes a token it was not routed and
+  no unused expert's weights are read, but it is 4 ops per expert.
+- padded: when every expert got tokens and the largest group is at most
+  twice the mean, the groups are padded to one size and all experts run as
+  two batched GEMMs. At most 2x the routed rows are computed (still
+  proportional to top_k, not to E), in a constant number of ops: small
+  per-expert GEMMs lose to one big batched one, and on a busy CPU every
+  parallel op can stall on a descheduled thread.
+
+The combine un-sorts the rows and takes each token's gate-weighted sum of its
+top_k rows as one batched product (no scatter-add, so the result does not
+depend on thread timing).
 """
 
 from __future__ import annotations
@@ -23,30 +36,65 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return ids, weights
 
 
-def moe(
-    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    ids, weights = route(router_logits, top_k, renormalize)
-    flat_ids = ids.flatten()
-    tokens_per_expert = torch.bincount(flat_ids, minlength=num_experts).long()
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k  # which token each sorted (token, choice) pair belongs to
-    weight_of = weights.flatten().index_select(0, order)
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    # One host sync per call: slice bounds must be Python ints to slice.
-    counts = tokens_per_expert.tolist()
+def _experts(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU over its slice of the expert-sorted rows, in x's dtype."""
+    inter = w13.shape[1] // 2
+    y = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        rows = token_of[start : start + n]
-        xe = x.index_select(0, rows)
-        gate_up = F.linear(xe, w13[e]).float()
-        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
-        ye = F.linear(h, w2[e]).float()
-        out.index_add_(0, rows, ye * weight_of[start : start + n, None])
+        rows = slice(start, start + n)
+        gate_up = F.linear(x_sorted[rows], w13[e])
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        torch.mm(h, w2[e].t(), out=y[rows])
         start += n
+    return y
+
+
+def _experts_padded(x_sorted: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor, largest: int,
+                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The same as `_experts`, with groups zero-padded to `largest` rows and
+    each projection one batched GEMM over the experts."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    # Row j of the sorted rows is row `slot[j]` of its expert's group.
+    slot = torch.arange(x_sorted.shape[0], device=x_sorted.device) - (torch.cumsum(counts, 0) - counts)[sorted_ids]
+    groups = x_sorted.new_zeros(num_experts, largest, hidden)
+    groups[sorted_ids, slot] = x_sorted
+    gate_up = torch.bmm(groups, w13.transpose(1, 2))
+    h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    return torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]
+
+
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, hidden = x.shape
+    num_experts = w13.shape[0]
+    ids, weights = route(router_logits, top_k, renormalize)
+    flat_ids = ids.flatten()
+    tokens_per_expert = torch.bincount(flat_ids, minlength=num_experts).long()
+    order = torch.argsort(flat_ids, stable=True)
+    x_sorted = x.index_select(0, order // top_k)
+    # One host sync per call: slice bounds and the choice of path need Python ints.
+    counts = tokens_per_expert.tolist()
+    if min(counts) > 0 and max(counts) * num_experts <= 2 * len(flat_ids):
+        y_sorted = _experts_padded(x_sorted, flat_ids[order], tokens_per_expert, max(counts), w13, w2)
+    else:
+        y_sorted = _experts(x_sorted, counts, w13, w2)
+    # Row j of the sorted buffer is (token, choice) pair order[j]: put it back.
+    y = torch.empty_like(y_sorted)
+    y.index_copy_(0, order, y_sorted)
+    out = torch.bmm(weights.unsqueeze(1), y.view(num_tokens, top_k, hidden).float()).squeeze(1)
+    if shared is not None:
+        s = shared.float()
+        out += s if shared_gate is None else torch.sigmoid(shared_gate.float()) * s
     return out.to(x.dtype), tokens_per_expert

@@ -36,9 +36,12 @@ class TorchPlumbing(Backend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> torch.Tensor:
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=self.device)
+        storage = torch.uint8 if dtype == "fp8" else TORCH_DTYPES[dtype]  # fp8: e4m3fn codes
+        return torch.zeros(shape, dtype=storage, device=self.device)
 
     def kv_cache_to_numpy(self, kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
+        if kv_cache.dtype == torch.uint8:  # fp8 codes as their (unscaled) values
+            return tuple(self.to_numpy(kv_cache[i].view(torch.float8_e4m3fn).float()) for i in (0, 1))
         return self.to_numpy(kv_cache[0]), self.to_numpy(kv_cache[1])
 
     def _device_module(self):

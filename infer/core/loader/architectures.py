@@ -1,7 +1,7 @@
 """Which architectures the loader accepts: the one place that decides.
 
 The engine may pass the names its plugin registry knows (`infer_register_models`)
-as `supported`; without it, the built-in Llama family is assumed.
+as `supported`; without it, the built-in architectures (Llama family, MoE) are assumed.
 """
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..models.llama import ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from ..models.llama import ARCHITECTURES as LLAMA_ARCHITECTURES
+from ..models.moe import ARCHITECTURES as MOE_ARCHITECTURES
 from .errors import UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 def check_architecture(config: dict, source: Path | str, supported: Iterable[str] | None = None) -> str:

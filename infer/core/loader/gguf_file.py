@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import quant_gguf
 from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
 
 # GGUF general.architecture -> (HF architecture, model_type)
@@ -202,12 +203,19 @@ class GGUFCheckpoint:
         from gguf import dequantize
 
         t = self._by_hf_name[name]
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest-moving dimension first
+        data = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)
+        w = np.empty((data.shape[0], int(np.prod(shape)) // data.shape[0]), dtype=np.float32)
+        # Row chunks into one preallocated array: whole-tensor dequantization
+        # makes several float temporaries of the tensor's size (the embedding's
+        # are hundreds of MB), which is what set the load's peak RSS.
+        step = max(1, (4 << 20) // max(1, w.shape[1] * 4))
         try:
-            w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # copy: F32 comes back as a view
+            for lo in range(0, data.shape[0], step):
+                w[lo:lo + step] = dequantize(data[lo:lo + step], t.tensor_type)
         except NotImplementedError as exc:
             raise LoaderError(f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, which gguf-py cannot "
                               "dequantize; use a file quantized to F16, Q8_0, Q4_0/Q4_1 or a K-quant") from exc
-        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest-moving dimension first
         w = w.reshape(shape)
         if self.arch in _PERMUTED_QK:
             if ".self_attn.q_proj." in name:
@@ -215,6 +223,26 @@ class GGUFCheckpoint:
             elif ".self_attn.k_proj." in name:
                 w = unpermute_rows(w, self.config["num_key_value_heads"])
         return w
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight is stored in a block format `read_quantized` keeps (Q4_0, Q4_1, Q8_0)."""
+        return any(t.tensor_type.name in quant_gguf.BLOCK_BYTES for t in self._by_hf_name.values())
+
+    def read_quantized(self, name: str):
+        """One weight as a quantized handle (Q4_0, Q4_1, Q8_0 kept as stored,
+        q/k rows unpermuted), or None for a tensor of another type: `read` it."""
+        t = self._by_hf_name[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if len(shape) != 2:
+            return None
+        handle = quant_gguf.to_handle(t.data, t.tensor_type.name, *shape)
+        if handle is not None and self.arch in _PERMUTED_QK:
+            if ".self_attn.q_proj." in name:
+                handle = quant_gguf.permute_rows(handle, lambda a: unpermute_rows(a, self.config["num_attention_heads"]))
+            elif ".self_attn.k_proj." in name:
+                handle = quant_gguf.permute_rows(handle, lambda a: unpermute_rows(a, self.config["num_key_value_heads"]))
+        return handle
 
     # -- tokenizer side -------------------------------------------------------
     def chat_template(self, tokenizer: Any = None) -> str | None:

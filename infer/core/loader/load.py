@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -14,6 +14,8 @@ from .architectures import check_architecture
 from .config import normalize_config, resolve_dtype
 from .gguf_file import GGUFCheckpoint
 from .hf_dir import HFCheckpoint
+from .moe_layout import fuse_experts
+from .quant_hf import with_quantization
 from .paths import DEFAULT_MODEL, resolve_model_path
 
 
@@ -62,10 +64,24 @@ class LoadedModel:
         """(name, array) one weight at a time, so only one is in memory beyond what the caller keeps."""
         return stream_weights(self.checkpoint, self.dtype, progress)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the checkpoint stores weights quantized (GGUF blocks, AWQ, GPTQ, fp8)."""
+        return bool(getattr(self.checkpoint, "quantized", False))
+
+    def lazy_weights(self, progress: bool | None = None, quantized: bool = False) -> LazyWeights:
+        """The checkpoint's weights as a mapping that reads each one when asked.
+
+        ``quantized``: a tensor the checkpoint stores quantized (GGUF Q4_0/
+        Q4_1/Q8_0, AWQ, GPTQ, fp8) comes as a quantized `WeightHandle` of NumPy
+        arrays instead of a dequantized array.
+        """
+        return LazyWeights(self.checkpoint, self.dtype, progress, quantized)
+
 
 def open_checkpoint(path_or_alias: str | Path = DEFAULT_MODEL) -> Checkpoint:
     path, fmt = resolve_model_path(path_or_alias)
-    return GGUFCheckpoint(path) if fmt == "gguf" else HFCheckpoint(path)
+    return GGUFCheckpoint(path) if fmt == "gguf" else with_quantization(fuse_experts(HFCheckpoint(path)))
 
 
 def load_model(
@@ -112,17 +128,66 @@ def iter_weights(
     return stream_weights(ckpt, resolve_dtype(dtype, normalize_config(ckpt.config), ckpt.format), progress)
 
 
-def stream_weights(ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None) -> Iterator[tuple[str, np.ndarray]]:
+def _progress_bar(ckpt: Checkpoint, names: list[str], progress: bool | None):
     from tqdm import tqdm
 
-    names = ckpt.names
     show = sys.stderr.isatty() if progress is None else progress
     total = sum(ckpt.nbytes(n) for n in names)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {ckpt.path.name}", file=sys.stderr,
-              disable=not show, leave=False) as bar:
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {ckpt.path.name}", file=sys.stderr,
+                disable=not show, leave=False)
+
+
+def _read(ckpt: Checkpoint, name: str, dtype: np.dtype) -> np.ndarray:
+    array = ckpt.read(name)
+    if np.issubdtype(array.dtype, np.floating) and array.dtype != dtype:
+        array = array.astype(dtype)
+    return array
+
+
+class LazyWeights(Mapping):
+    """Checkpoint weights read on first access; `pop` forgets one.
+
+    The model runner converts one parameter at a time and pops its sources,
+    so a load holds at most one checkpoint tensor besides the backend's copy:
+    peak memory stays near the model's size instead of twice it.
+    """
+
+    def __init__(self, ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None, quantized: bool = False):
+        self._ckpt, self._dtype = ckpt, dtype
+        self._quantized = quantized and hasattr(ckpt, "read_quantized")
+        self._names = dict.fromkeys(ckpt.names)
+        self._bar = _progress_bar(ckpt, list(self._names), progress)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        handle = self._ckpt.read_quantized(name) if self._quantized else None
+        array = handle if handle is not None else _read(self._ckpt, name, self._dtype)
+        self._bar.update(self._ckpt.nbytes(name))
+        return array
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def pop(self, name: str, default: Any = None) -> None:
+        self._names.pop(name, default)
+        if not self._names:
+            self._bar.close()
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def stream_weights(ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    names = ckpt.names
+    with _progress_bar(ckpt, names, progress) as bar:
         for name in names:
-            array = ckpt.read(name)
-            if np.issubdtype(array.dtype, np.floating) and array.dtype != dtype:
-                array = array.astype(dtype)
+            array = _read(ckpt, name, dtype)
             bar.update(ckpt.nbytes(name))
             yield name, array

@@ -22,7 +22,7 @@ SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Bytes per element of the safetensors dtypes infer reads.
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 _REFETCH = "re-download or re-save the checkpoint"
 
 
@@ -68,6 +68,10 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
         t = f.get_tensor(entry.name)
     if entry.dtype == "BF16":
         t = t.float()
+    elif entry.dtype == "F8_E4M3":  # NumPy has no fp8: its bit patterns (see infer.primitives.fp8)
+        import torch
+
+        t = t.view(torch.uint8)
     return t.numpy()
 
 

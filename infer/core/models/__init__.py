@@ -2,8 +2,9 @@
 
 from ...primitives.hookspecs import hookimpl
 from .llama import ARCHITECTURES, build_llama
+from .moe import ARCHITECTURES as MOE_ARCHITECTURES, build_moe
 
 
 @hookimpl
 def infer_register_models():
-    return {arch: build_llama for arch in ARCHITECTURES}
+    return {arch: build_llama for arch in ARCHITECTURES} | {arch: build_moe for arch in MOE_ARCHITECTURES}

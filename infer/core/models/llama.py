@@ -6,6 +6,8 @@ window, tied embeddings, rope scaling), read by `normalize_config`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..graph import Graph
 from .config import ModelConfig, normalize_config
 
@@ -13,13 +15,19 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 
 
 def build_llama(config: dict) -> Graph:
-    cfg = normalize_config(config)
+    return build_decoder(normalize_config(config), dense_mlp)
+
+
+def build_decoder(cfg: ModelConfig, feed_forward: Callable[[Graph, ModelConfig, int], None]) -> Graph:
+    """Embedding, layers of attention then `feed_forward(g, cfg, layer)`, final
+    norm and head: the skeleton the MoE architectures share with Llama."""
     g = Graph(cfg.architecture, cfg, num_layers=cfg.num_layers)
     h, v = cfg.hidden_size, cfg.vocab_size
     table = g.param("embed_tokens", (v, h), "model.embed_tokens.weight", shard="vocab")
     g.add("embedding", "embed", ["input_ids"], ["hidden"], {"table": table})
     for i in range(cfg.num_layers):
-        _decoder_layer(g, cfg, i)
+        attention_block(g, cfg, i)
+        feed_forward(g, cfg, i)
     norm = g.param("norm", (h,), "model.norm.weight")
     g.add("rms_norm", "norm", ["hidden", "residual"], ["normed", "residual"], {"weight": norm}, eps=cfg.rms_norm_eps)
     head_source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -28,9 +36,10 @@ def build_llama(config: dict) -> Graph:
     return g
 
 
-def _decoder_layer(g: Graph, cfg: ModelConfig, i: int) -> None:
+def attention_block(g: Graph, cfg: ModelConfig, i: int) -> None:
+    """Layer i up to its feed-forward input: ``normed`` (and ``residual``)."""
     p, n = f"model.layers.{i}", f"layers.{i}"
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    h, d = cfg.hidden_size, cfg.head_dim
     qkv_rows = (cfg.q_size, cfg.kv_size, cfg.kv_size)
 
     ln1 = g.param(f"{n}.input_layernorm", (h,), f"{p}.input_layernorm.weight")
@@ -60,16 +69,23 @@ def _decoder_layer(g: Graph, cfg: ModelConfig, i: int) -> None:
     g.add("rms_norm", f"{n}.post_attention_layernorm", ["attn_out", "residual"], ["normed", "residual"],
           {"weight": ln2}, layer=i, eps=cfg.rms_norm_eps)
 
+
+def dense_mlp(g: Graph, cfg: ModelConfig, i: int, inter: int | None = None, module: str = "mlp",
+              out: str = "hidden") -> None:
+    """The SwiGLU MLP of layer i: checkpoint module ``mlp`` by default (an
+    MoE's shared expert is another module of the same shape)."""
+    p, n = f"model.layers.{i}.{module}", f"layers.{i}" + ("" if module == "mlp" else f".{module}")
+    h, inter = cfg.hidden_size, inter or cfg.intermediate_size
     mlp = {
-        "gate_up_proj": g.param(f"{n}.gate_up_proj", (2 * inter, h), (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+        "gate_up_proj": g.param(f"{n}.gate_up_proj", (2 * inter, h), (f"{p}.gate_proj.weight", f"{p}.up_proj.weight"),
                                 shard="column", parts=(inter, inter)),
-        "down_proj": g.param(f"{n}.down_proj", (h, inter), f"{p}.mlp.down_proj.weight", shard="row"),
+        "down_proj": g.param(f"{n}.down_proj", (h, inter), f"{p}.down_proj.weight", shard="row"),
     }
     if cfg.mlp_bias:
-        mlp["gate_up_bias"] = g.param(f"{n}.gate_up_bias", (2 * inter,), (f"{p}.mlp.gate_proj.bias", f"{p}.mlp.up_proj.bias"),
+        mlp["gate_up_bias"] = g.param(f"{n}.gate_up_bias", (2 * inter,), (f"{p}.gate_proj.bias", f"{p}.up_proj.bias"),
                                       shard="column", parts=(inter, inter))
-        mlp["down_bias"] = g.param(f"{n}.down_bias", (h,), f"{p}.mlp.down_proj.bias")
-    g.add("mlp", f"{n}.mlp", ["normed"], ["hidden"], mlp, layer=i, act=_act(cfg.hidden_act))
+        mlp["down_bias"] = g.param(f"{n}.down_bias", (h,), f"{p}.down_proj.bias")
+    g.add("mlp", f"layers.{i}.{module}", ["normed"], [out], mlp, layer=i, act=_act(cfg.hidden_act))
 
 
 def _act(hidden_act: str) -> str:

@@ -1,0 +1,365 @@
+"""One prepared check of the `cuda` backend on a GPU (H100/H200), < 8 minutes.
+
+    python benchmarks/gpu_check.py                # on a GPU: the full check
+    python benchmarks/gpu_check.py --smoke        # anywhere: tiny shapes in Triton's interpreter on the CPU
+    python benchmarks/gpu_check.py --json out.json --skip conformance
+
+Sections, each timed and reported as it finishes (a failing section is a
+line, not a crash, and makes the exit status 1):
+  1. peaks      measured device limits: copy bandwidth (GB/s, read+write) and a
+                bf16 matmul (TFLOP/s), the yardsticks for everything below.
+  2. conformance the cross-backend suite on the device in fp16 and bf16.
+  3. primitives each Triton kernel at Llama-3-8B / Mixtral shapes, beside the
+                `torch` backend on the same device: ms, GB/s and TFLOP/s with
+                their share of the measured peaks.
+  4. attention  paged-attention decode at batch 64 x context 2048 (target:
+                >= 70% of copy bandwidth) and flash-decoding at batch 1.
+  5. e2e        a Llama-3-8B-shaped model with random bf16 weights (no hub):
+                prefill throughput, decode step eager and with CUDA graphs at
+                batch 1 (target: >= 80% of the weight-streaming roofline) and
+                batch 64.
+Without a GPU the script switches to --smoke by itself: TRITON_INTERPRET=1 is
+set before any kernel module is imported, shapes shrink to toy sizes, and the
+numbers only prove that every path runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int = 4096  # Llama-3-8B
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    inter: int = 14336
+    vocab: int = 128256
+    layers: int = 32
+    row_tokens: int = 16384  # row-wise kernels: 128 MiB per [T, H] bf16 tensor, far past L2
+    prefill_seqs: tuple = (4, 2048)  # attention prefill: requests x tokens
+    decode: tuple = (64, 2048)  # attention decode: batch x context
+    long_decode: tuple = (1, 16384)  # flash-decoding: batch x context
+    experts: int = 8  # Mixtral-8x7B-shaped MoE
+    top_k: int = 2
+    moe_tokens: tuple = (64, 4096)
+    e2e_prefill: tuple = (4, 1024)
+    e2e_context: int = 1024
+    e2e_batch: int = 64
+    block_size: int = 16
+    warmup: int = 3
+    iters: int = 10
+
+
+SMOKE = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=128, layers=2, row_tokens=8,
+               prefill_seqs=(2, 20), decode=(3, 40), long_decode=(1, 70), experts=4, moe_tokens=(4, 12),
+               e2e_prefill=(2, 9), e2e_context=20, e2e_batch=3, warmup=1, iters=1)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's interpreter (automatic without a GPU)")
+    p.add_argument("--skip", action="append", default=[], help="skip a section: peaks, conformance, primitives, attention, e2e")
+    p.add_argument("--json", default=None, help="also write the results here")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+_HAS_GPU = False
+try:
+    import torch
+
+    _HAS_GPU = torch.cuda.is_available()
+except ImportError:
+    pass
+SMOKE_MODE = ARGS.smoke or not _HAS_GPU
+if SMOKE_MODE:
+    # Before any `@triton.jit` runs: the decorator picks interpreter or GPU once.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from infer.backends.cuda.attention import default_num_splits, paged_attention  # noqa: E402
+from infer.backends.cuda.graphs import DecodeGraphs  # noqa: E402
+from infer.core.lowering import lower  # noqa: E402
+from infer.core.model_runner import ModelRunner  # noqa: E402
+from infer.core.models.llama import build_llama  # noqa: E402
+from infer.primitives.types import AttentionMetadata  # noqa: E402
+from infer.registry import Ops, get_backend  # noqa: E402
+
+S = SMOKE if SMOKE_MODE else Shapes()
+CUDA = get_backend("cuda")
+TORCH = get_backend("torch", device=CUDA.device)
+DEV = CUDA.device
+DT = torch.bfloat16
+RESULTS: dict = {"mode": "smoke (Triton interpreter, CPU)" if SMOKE_MODE else "gpu", "sections": {}}
+PEAK = {"copy_GBps": None, "bf16_TFLOPs": None}
+
+
+def sync():
+    if DEV.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, warmup=None, iters=None) -> float:
+    """Mean seconds per call after warm-up (which also compiles the kernels)."""
+    for _ in range(S.warmup if warmup is None else warmup):
+        fn()
+    sync()
+    n = S.iters if iters is None else iters
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / n
+
+
+def rate(seconds: float, nbytes: float = 0.0, flops: float = 0.0) -> str:
+    parts = [f"{seconds * 1e3:9.3f} ms"]
+    if nbytes:
+        gbps = nbytes / seconds / 1e9
+        share = f" ({gbps / PEAK['copy_GBps']:4.0%} of copy)" if PEAK["copy_GBps"] else ""
+        parts.append(f"{gbps:8.1f} GB/s{share}")
+    if flops:
+        tf = flops / seconds / 1e12
+        share = f" ({tf / PEAK['bf16_TFLOPs']:4.0%} of mm peak)" if PEAK["bf16_TFLOPs"] else ""
+        parts.append(f"{tf:7.2f} TFLOP/s{share}")
+    return "  ".join(parts)
+
+
+def rnd(*shape, scale=1.0, dtype=DT):
+    return (torch.randn(*shape, device=DEV, dtype=torch.float32) * scale).to(dtype)
+
+
+# -- 1. peaks ---------------------------------------------------------------------------
+def section_peaks(out):
+    n = (1 << 30) // 2 if not SMOKE_MODE else 1 << 16  # 1 GiB of bf16
+    a, b = torch.empty(n, dtype=DT, device=DEV), torch.empty(n, dtype=DT, device=DEV)
+    t = timed(lambda: b.copy_(a))
+    PEAK["copy_GBps"] = 2 * a.numel() * a.element_size() / t / 1e9
+    m = 8192 if not SMOKE_MODE else 128
+    x, y = rnd(m, m), rnd(m, m)
+    t = timed(lambda: x @ y)
+    PEAK["bf16_TFLOPs"] = 2 * m**3 / t / 1e12
+    out.update(PEAK)
+    print(f"  copy bandwidth {PEAK['copy_GBps']:.4g} GB/s (read+write), bf16 matmul {PEAK['bf16_TFLOPs']:.4g} TFLOP/s")
+
+
+# -- 2. conformance ---------------------------------------------------------------------
+def section_conformance(out):
+    from infer.testing import run_conformance
+
+    # Smoke: bf16 only, the dtype the interpreter gets wrong unless the kernels widen it.
+    dtypes = ["float16", "bfloat16"]
+    if SMOKE_MODE:
+        dtypes = ["bfloat16"]
+    report = run_conformance(CUDA, dtypes=dtypes)
+    for r in report.results:
+        if r.status not in ("pass", "skip"):
+            print(f"  {r.status.upper()} {r.case.id}: {r.detail[:300]}")
+    print(f"  {report.summary()}")
+    out.update(passed=report.count("pass"), failed=report.count("fail"), errors=report.count("error"))
+    if not report.ok:
+        raise AssertionError("conformance failed on the device")
+
+
+# -- 3. primitives ------------------------------------------------------------------------
+def _decode_meta(batch: int, context: int, q_len: int = 1, shuffle: bool = True) -> AttentionMetadata:
+    """Host metadata: `batch` requests each adding `q_len` tokens to reach `context`."""
+    bs = S.block_size
+    per = -(-context // bs)
+    blocks = np.random.default_rng(0).permutation(batch * per) if shuffle else np.arange(batch * per)
+    table = blocks.reshape(batch, per).astype(np.int32)
+    pos = np.arange(context - q_len, context)
+    slots = np.concatenate([table[b, pos // bs].astype(np.int64) * bs + pos % bs for b in range(batch)])
+    return AttentionMetadata(np.arange(batch + 1, dtype=np.int32) * q_len, np.full(batch, context, np.int32), table,
+                             slots, q_len, context, bs)
+
+
+def section_primitives(out):
+    H, T, I, D = S.hidden, S.row_tokens, S.inter, S.head_dim
+    rows = []
+
+    def row(name, fn_cuda, fn_torch, nbytes=0.0, flops=0.0):
+        t_c = timed(fn_cuda)
+        t_t = timed(fn_torch)
+        print(f"  {name:34s} cuda {rate(t_c, nbytes, flops)}   torch {t_t * 1e3:9.3f} ms  (x{t_t / t_c:.2f})")
+        rows.append(dict(name=name, cuda_ms=t_c * 1e3, torch_ms=t_t * 1e3, GBps=nbytes / t_c / 1e9 if nbytes else None,
+                         TFLOPs=flops / t_c / 1e12 if flops else None))
+
+    x, r, w = rnd(T, H), rnd(T, H), rnd(H)
+    row(f"rms_norm+residual T={T} H={H}", lambda: CUDA.rms_norm(x, w, 1e-5, r), lambda: TORCH.rms_norm(x, w, 1e-5, r),
+        nbytes=4 * T * H * 2)
+    q, k = rnd(T, S.heads, D), rnd(T, S.kv_heads, D)
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    cs = rnd(4096, D, dtype=torch.float32)
+    row(f"rotary neox T={T}", lambda: CUDA.rotary(q, k, pos, cs, True), lambda: TORCH.rotary(q, k, pos, cs, True),
+        nbytes=2 * (q.numel() + k.numel()) * 2 + T * D * 4)
+    gu = rnd(T // 4, 2 * I)
+    row(f"act_and_mul silu T={T // 4} I={I}", lambda: CUDA.act_and_mul(gu, "silu"), lambda: TORCH.act_and_mul(gu, "silu"),
+        nbytes=3 * (T // 4) * I * 2)
+    kk, vv = rnd(T, S.kv_heads, D), rnd(T, S.kv_heads, D)
+    cache = CUDA.allocate_kv_cache(T // S.block_size + 1, S.block_size, S.kv_heads, D, "bfloat16")
+    slots = torch.randperm(T, device=DEV)
+    row(f"kv_write T={T}", lambda: CUDA.kv_write(kk, vv, cache, slots), lambda: TORCH.kv_write(kk, vv, cache, slots),
+        nbytes=4 * kk.numel() * 2)
+    for t in S.moe_tokens:
+        xm, logits = rnd(t, H), rnd(t, S.experts)
+        w13, w2 = rnd(S.experts, 2 * I, H, scale=H**-0.5), rnd(S.experts, H, I, scale=I**-0.5)
+        flops = 2 * t * S.top_k * 3 * H * I
+        row(f"moe E={S.experts} top{S.top_k} T={t}", lambda: CUDA.moe(xm, logits, w13, w2, S.top_k, True),
+            lambda: TORCH.moe(xm, logits, w13, w2, S.top_k, True), nbytes=(w13.numel() + w2.numel()) * 2, flops=flops)
+    n, L = S.prefill_seqs
+    meta = _decode_meta(n, L, q_len=L)
+    cache = CUDA.allocate_kv_cache(n * (-(-L // S.block_size)), S.block_size, S.kv_heads, D, "bfloat16")
+    cache.normal_()
+    qp = rnd(n * L, S.heads, D)
+    mc, mt = CUDA.prepare_metadata(meta), TORCH.prepare_metadata(meta)
+    row(f"attention prefill {n}x{L}", lambda: CUDA.attention(qp, cache, mc, D**-0.5), lambda: TORCH.attention(qp, cache, mt, D**-0.5),
+        flops=4 * n * S.heads * D * L * (L + 1) / 2)
+    out["rows"] = rows
+
+
+# -- 4. attention decode targets ----------------------------------------------------------
+def section_attention(out):
+    D = S.head_dim
+    for (b, c), label in ((S.decode, "decode"), (S.long_decode, "long decode")):
+        meta = _decode_meta(b, c)
+        cache = CUDA.allocate_kv_cache(b * (-(-c // S.block_size)), S.block_size, S.kv_heads, D, "bfloat16")
+        cache.normal_()
+        q = rnd(b, S.heads, D)
+        m = CUDA.prepare_metadata(meta)
+        nbytes = 2 * b * c * S.kv_heads * D * 2 + 2 * q.numel() * 2
+        # The interpreter never splits by itself (no SMs to fill): force it so the path runs.
+        splits = 3 if SMOKE_MODE else default_num_splits(q.device, b, S.kv_heads, 1, c)
+        t_auto = timed(lambda: paged_attention(q, cache, m, D**-0.5, num_splits=splits))
+        t_one = timed(lambda: paged_attention(q, cache, m, D**-0.5, num_splits=1))
+        diff = (paged_attention(q, cache, m, D**-0.5, num_splits=splits).float()
+                - paged_attention(q, cache, m, D**-0.5, num_splits=1).float()).abs().max().item()
+        share = nbytes / t_auto / 1e9 / PEAK["copy_GBps"] if PEAK["copy_GBps"] else float("nan")
+        print(f"  {label} B={b} ctx={c}: {splits} split(s) {rate(t_auto, nbytes)}; one pass {t_one * 1e3:.3f} ms; "
+              f"max |diff| {diff:.1e}")
+        out[label] = dict(batch=b, context=c, splits=splits, ms=t_auto * 1e3, ms_one_pass=t_one * 1e3,
+                          share_of_copy=share, split_vs_one_pass_max_diff=diff)
+        if diff > 2e-2:
+            raise AssertionError(f"split-KV and one-pass attention differ by {diff}")
+    if not SMOKE_MODE:
+        share = out["decode"]["share_of_copy"]
+        print(f"  target: decode B=64 ctx=2048 >= 70% of copy bandwidth: {share:.0%} -> {'MET' if share >= 0.7 else 'MISSED'}")
+
+
+# -- 5. end to end --------------------------------------------------------------------------
+class RandomWeightsRunner(ModelRunner):
+    """A ModelRunner whose parameters are drawn on the device (no checkpoint, no host copy)."""
+
+    def _load_param(self, name, weights):
+        shape = self.program.graph.params[name].shape
+        scale = 1.0 if "norm" in name else 0.02
+        t = torch.randn(*shape, device=self.backend.device, dtype=torch.float32) * scale
+        return (t + 1.0 if "norm" in name else t).to(DT)
+
+
+def llama_config() -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": S.hidden,
+            "intermediate_size": S.inter, "num_attention_heads": S.heads, "num_key_value_heads": S.kv_heads,
+            "head_dim": S.head_dim, "num_hidden_layers": S.layers, "vocab_size": S.vocab, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def section_e2e(out):
+    program = lower(build_llama(llama_config()))
+    runner = RandomWeightsRunner(program, CUDA, Ops(CUDA), {}, "bfloat16", 8192)
+    weight_bytes = sum(int(np.prod(p.shape)) * 2 for p in program.graph.params.values())
+    n, L = S.e2e_prefill
+    c, B = S.e2e_context, S.e2e_batch
+    per_seq = -(-(max(L, c) + 1) // S.block_size)
+    runner.allocate_kv_caches(max(n, B) * per_seq + 1, S.block_size)
+    print(f"  model: {S.layers} layers, hidden {S.hidden}, {weight_bytes / 1e9:.2f} GB of bf16 weights")
+
+    def step(meta, ids=None):
+        t = meta.num_tokens
+        ids = np.random.default_rng(1).integers(0, S.vocab, t) if ids is None else ids
+        positions = np.concatenate([np.arange(s - (e - b), s) for s, b, e in
+                                    zip(meta.seq_lens, meta.query_start_loc[:-1], meta.query_start_loc[1:])])
+        last = (meta.query_start_loc[1:] - 1).astype(np.int64)
+        return lambda: runner.forward(CUDA.asarray(ids), CUDA.asarray(positions), CUDA.asarray(last),
+                                      CUDA.prepare_metadata(meta))
+
+    t = timed(step(_decode_meta(n, L, q_len=L, shuffle=False)), warmup=1, iters=max(1, S.iters // 3))
+    print(f"  prefill {n}x{L}: {t * 1e3:.1f} ms, {n * L / t:,.0f} tokens/s")
+    out["prefill_tokens_per_s"] = n * L / t
+    graphs = DecodeGraphs(runner, max_model_len=8192, max_blocks_per_seq=-(-8192 // S.block_size),
+                          block_size=S.block_size, batch_sizes=(1, 4, B))
+    graphs.capture()
+    print(f"  CUDA graphs: {'captured for batch ' + str(sorted(graphs.graphs)) if graphs.graphs else 'not taken (' + DEV + ')'}")
+    for b in sorted({1, 3, B}):  # 3 is padded to a captured 4
+        meta = _decode_meta(b, c, shuffle=False)
+        ids = np.random.default_rng(2).integers(0, S.vocab, b)
+        positions = np.full(b, c - 1)
+        eager = step(meta, ids)
+        t_e = timed(eager)
+        t_g = timed(lambda: graphs.forward(ids, positions, meta))
+        # Replays use the split count of the captured capacity, eager that of this
+        # context: equal up to bf16 rounding, while a broken replay is off by O(1).
+        want = eager().float()
+        diff = ((graphs.forward(ids, positions, meta).float() - want).abs().max() / want.abs().max()).item()
+        kv_bytes = 2 * S.layers * b * c * S.kv_heads * S.head_dim * 2
+        floor = (weight_bytes + kv_bytes) / (PEAK["copy_GBps"] * 1e9) if PEAK["copy_GBps"] else float("nan")
+        best = min(t_e, t_g)
+        print(f"  decode B={b} ctx={c}: eager {t_e * 1e3:.2f} ms, graph {t_g * 1e3:.2f} ms (max logit diff {diff:.1e} of max |logit|); "
+              f"{b / best:,.0f} tokens/s; roofline {floor * 1e3:.2f} ms -> {floor / best:.0%} of it")
+        out[f"decode_b{b}"] = dict(eager_ms=t_e * 1e3, graph_ms=t_g * 1e3, roofline_share=floor / best,
+                                   tokens_per_s=b / best, graph_vs_eager_max_diff=diff)
+        if diff > 0.1:
+            raise AssertionError(f"CUDA-graph logits differ from eager by {diff:.2f} of max |logit| at batch {b}")
+    if not SMOKE_MODE:
+        share = out["decode_b1"]["roofline_share"]
+        print(f"  target: batch-1 decode >= 80% of the HBM roofline: {share:.0%} -> {'MET' if share >= 0.8 else 'MISSED'}")
+
+
+SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "primitives": section_primitives,
+            "attention": section_attention, "e2e": section_e2e}
+
+
+def main() -> int:
+    name = torch.cuda.get_device_name() if DEV.startswith("cuda") else "cpu (Triton interpreter)"
+    import triton
+
+    print(f"gpu_check: {RESULTS['mode']}; device {name}; torch {torch.__version__}, triton {triton.__version__}")
+    ok = True
+    start = time.perf_counter()
+    for sec, fn in SECTIONS.items():
+        if sec in ARGS.skip:
+            continue
+        t = time.perf_counter()
+        print(f"[{sec}]")
+        out: dict = {}
+        try:
+            fn(out)
+            out["status"] = "ok"
+        except Exception as exc:  # report and go on: one broken section must not hide the others
+            ok = False
+            out["status"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc(limit=3)
+        out["seconds"] = time.perf_counter() - t
+        RESULTS["sections"][sec] = out
+        print(f"  ({out['seconds']:.1f} s)")
+        if DEV.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Quantized weights on the torch CPU backend: per-T linear paths, and SmolLM2 decode.
+
+    python benchmarks/quant.py                  # both parts
+    python benchmarks/quant.py --part linear    # per-T timings of each path at SmolLM2's shapes
+    python benchmarks/quant.py --part decode --tokens 64 --json out.json
+
+``linear``: for each SmolLM2 projection shape and T in 1/4/32/256, the median
+time of each way the torch backend can run it (fp32 dense, torch's int4
+kernel with fp32 or bf16 activations, dequantize-in-tiles, the per-group
+int8 kernel, bf16 dense), all in one process, so ratios hold on a loaded
+machine. ``decode``: single-stream greedy decode of the SmolLM2 Q4_1 GGUF,
+each configuration in its own process (so its peak RSS is its own): kept
+quantized (fp32 and bf16 activations) vs dequantized (fp32, bf16). Peak RSS
+is set beside the GGUF file size. The CPU load average is printed with each
+part; rerun when it is well above 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+H, I, V = 576, 1536, 49152
+SHAPES = {"qkv": (960, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
+CONFIGS = {"fp32 dequantized": ("none", "float32"), "bf16 dequantized": ("none", "bfloat16"),
+           "Q4_1 kept, fp32 act": ("auto", "float32"), "Q4_1 kept, bf16 act": ("auto", "bfloat16")}
+
+
+def _median_ms(fn, min_s: float = 0.3) -> float:
+    fn()
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < min_s or len(times) < 3:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def linear_table(tokens: list[int]) -> list[dict]:
+    from infer.backends.torch_native import linear as dense
+    from infer.backends.torch_native import quant_linear as ql
+    from infer.core.loader.quant_gguf import to_handle
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float32)
+        qtype = "Q8_0" if name == "lm_head" else "Q4_1"  # as in SmolLM2's file
+        host = to_handle(quants.quantize(w, GGMLQuantizationType[qtype]), qtype, n, k)
+        fields = {f: torch.from_numpy(np.asarray(getattr(host, f))) for f in ("qweight", "scales", "offsets")
+                  if hasattr(host, f)}
+        q32 = ql.prepare_weight(dataclasses.replace(host, **fields, dtype="float32"))
+        q16 = ql.prepare_weight(dataclasses.replace(host, **fields, dtype="bfloat16"))
+        wf = torch.from_numpy(w)
+        d32 = dense.prepare_weight(dense.DenseWeight(wf))
+        d16 = dense.DenseWeight(wf.bfloat16())
+        for t in tokens:
+            x = torch.randn(t, k)
+            xb = x.bfloat16()
+            paths = {"fp32 dense": lambda: dense.linear(x, d32), "bf16 dense": lambda: dense.linear(xb, d16),
+                     "fp32 dequant tiles": lambda: ql._linear_in_tiles(x, q32)}
+            if isinstance(q16.prepared, ql.Int4Packed):  # the scalar float32 kernel (never chosen)
+                pk = ql.Int4Packed(q16.prepared.packed, q16.prepared.scale_and_zeros.float())
+                paths["int4 kernel fp32"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x, pk.packed, q32.group_size, pk.scale_and_zeros)
+            if isinstance(q16.prepared, ql.Int4Packed):
+                pk16 = q16.prepared
+                paths["int4 kernel bf16"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    xb, pk16.packed, q16.group_size, pk16.scale_and_zeros)
+            if isinstance(q16.prepared, ql.Int8Grouped):
+                paths["int8 group kernel bf16"] = lambda: ql._int8_grouped(xb, q16, q16.prepared)
+            paths["bf16 dequant tiles"] = lambda: ql._linear_in_tiles(xb, q16)
+            paths["chosen fp32"] = lambda: ql.linear(x, q32)
+            paths["chosen bf16"] = lambda: ql.linear(xb, q16)
+            for path, fn in paths.items():
+                rows.append({"shape": name, "n": n, "k": k, "format": qtype, "T": t, "path": path,
+                             "ms": _median_ms(fn, 0.15 if t >= 32 else 0.3)})
+            base = next(r["ms"] for r in rows if r["shape"] == name and r["T"] == t and r["path"] == "fp32 dense")
+            line = "  ".join(f"{r['path']} {r['ms']:.3f} ({base / r['ms']:.2f}x)" for r in rows
+                             if r["shape"] == name and r["T"] == t)
+            print(f"{name:8s} [{n}x{k}] {qtype} T={t:<4d} ms (speed vs fp32 dense): {line}", flush=True)
+    return rows
+
+
+def decode_one(quantization: str, dtype: str, tokens: int) -> dict:
+    """Runs in a child process: load, warm up, then time a greedy decode of `tokens` tokens."""
+    import resource
+
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM("smollm2", backend="torch", quantization=quantization, dtype=dtype, max_num_seqs=1,
+              kv_cache_memory=32 << 20, show_progress=False)
+    load_s = time.perf_counter() - t0
+    prompt = "The history of the printing press begins"
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    llm.generate([prompt], greedy(4), use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate([prompt], greedy(1), use_tqdm=False)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    out = llm.generate([prompt], greedy(tokens + 1), use_tqdm=False)
+    total = time.perf_counter() - t
+    return {"quantization": quantization, "dtype": dtype, "load_s": load_s,
+            "decode_tok_s": tokens / max(total - first, 1e-9),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "text": out[0].outputs[0].text[:60]}
+
+
+def decode_table(tokens: int) -> list[dict]:
+    from infer.core.loader import resolve_model_path
+
+    gguf_mb = resolve_model_path("smollm2")[0].stat().st_size / 2**20
+    rows = []
+    for label, (quant, dtype) in CONFIGS.items():
+        code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
+               f"print(json.dumps(quant.decode_one({quant!r}, {dtype!r}, {tokens})))"
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if res.returncode:
+            print(f"{label}: failed\n{res.stderr[-2000:]}")
+            continue
+        row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": label, "gguf_mb": gguf_mb}
+        rows.append(row)
+        print(f"{label:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB "
+              f"({row['peak_rss_mb'] / gguf_mb:.1f}x the {gguf_mb:.0f} MB GGUF)  load {row['load_s']:.1f}s  "
+              f"{row['text']!r}", flush=True)
+    return rows
+
+
+_LLAMA_CPP = """
+import json, resource, sys, time
+from llama_cpp import Llama
+path, tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+t0 = time.perf_counter()
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, verbose=False)
+load_s = time.perf_counter() - t0
+prompt = "The history of the printing press begins"
+llm(prompt, max_tokens=4, temperature=0.0)
+t = time.perf_counter(); llm(prompt, max_tokens=1, temperature=0.0); first = time.perf_counter() - t
+t = time.perf_counter(); out = llm(prompt, max_tokens=tokens + 1, temperature=0.0); total = time.perf_counter() - t
+print(json.dumps({"decode_tok_s": (out["usage"]["completion_tokens"] - 1) / max(total - first, 1e-9),
+                  "completion_tokens": out["usage"]["completion_tokens"], "load_s": load_s,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "text": out["choices"][0]["text"][:60]}))
+"""
+
+
+def llama_cpp_row(python: str, tokens: int) -> dict | None:
+    """llama.cpp (llama-cpp-python in the interpreter `python`) on the same GGUF, same prompt, greedy."""
+    from infer.core.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2")[0]
+    threads = torch.get_num_threads()
+    res = subprocess.run([python, "-c", _LLAMA_CPP, str(path), str(tokens), str(threads)], capture_output=True, text=True)
+    if res.returncode:
+        print(f"llama.cpp: failed\n{res.stderr[-2000:]}")
+        return None
+    row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": f"llama.cpp ({threads} threads)"}
+    print(f"{row['config']:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB  "
+          f"({row['completion_tokens']} tokens; may stop at EOS)  {row['text']!r}", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("linear", "decode", "all"), default="all")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
+    ap.add_argument("--T", default="1,4,32,256", help="row counts for the linear part")
+    ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed: adds llama.cpp's decode")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 is steadier on a busy machine")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the decode children
+    out: dict[str, list] = {}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
+    if a.part in ("linear", "all"):
+        out["linear"] = linear_table([int(t) for t in a.T.split(",")])
+    if a.part in ("decode", "all"):
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        out["decode"] = decode_table(a.tokens)
+        if a.llama_python and (row := llama_cpp_row(a.llama_python, a.tokens)):
+            out["decode"].append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Quantized `linear` and `embedding` for the torch backend.
+
+What was measured (one thread of a 2-core AVX-512 CPU, torch 2.13, SmolLM2
+shapes; `python benchmarks/quant.py --part linear --threads 1`):
+
+* torch's int4 CPU GEMM (``aten._weight_int4pack_mm_for_cpu``) has a fast,
+  vectorised kernel for bfloat16/float16 activations: 1.3-1.4x the fp32
+  dense GEMV at T=1 and ~2x at T=4, while reading 1/7 of the bytes; at T=32
+  it still beats bf16 tiles 2x, at T=256 tiles win 1.6x. Its float32 kernel is scalar: 15-20x
+  slower than the dense GEMV at T=1 and slower than dequantize-in-tiles at
+  every T, so float32 never uses it. Its dequantization is
+  ``(q - 8) * scale + zero``, our ``q * scale + offset`` with
+  ``zero = offset + 8 * scale``; it needs N % 16 == 0.
+* ``aten._weight_int8pack_mm`` takes one scale per output channel only, so a
+  group-quantized int8 weight (GGUF Q8_0) runs as one call per K group
+  (weight stored [K/G, N, G]) whose outputs are summed: 2.4x the fp32 dense
+  GEMV of SmolLM2's lm_head at T=1, behind tiles from T=32.
+* Dequantizing row tiles (a few MiB, cache-resident) then one GEMM per tile:
+  ~14x slower than the dense GEMV at decode for int4, but ~0.8x dense at
+  T=256 and the exact float32 path. For bfloat16 the tiles are dequantized
+  to bfloat16 and multiplied by oneDNN's bf16 GEMM (1.4-1.6x fp32 dense at T=256).
+
+So: half precision takes the packed kernels for few rows and bf16 tiles
+beyond; float32 always takes exact tiles. float32 activations with quantized
+weights save memory; decode speed on CPU comes with ``dtype=bfloat16``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ...primitives.types import DenseWeight, Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from . import linear as dense
+from . import ops
+
+# Half-precision rows up to which the packed kernels beat dequantize-in-tiles.
+INT4_KERNEL_MAX_ROWS = 32
+INT8_GROUP_KERNEL_MAX_ROWS = 8
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+TILE_ELEMENTS = 1 << 20  # weights dequantized at once: 4 MiB of float32
+_HALF = (torch.bfloat16, torch.float16)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Packed:
+    """``Int4GroupWeight.prepared``: torch's int4 CPU layout and its [K/G, N, 2] (scale, zero) table."""
+
+    packed: torch.Tensor
+    scale_and_zeros: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Grouped:
+    """``Int8GroupWeight.prepared``: q as [K/G, N, G] and scales as [K/G, N] in the activation dtype."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+
+def prepare_weight(w: WeightHandle) -> WeightHandle:
+    """Re-layout for the kernels above (CPU only; other devices dequantize in tiles)."""
+    if w.prepared is not None or w.qweight.device.type != "cpu":
+        return w
+    dtype = _DTYPES[w.dtype]
+    if isinstance(w, Int4GroupWeight) and dtype in _HALF and w.out_features % 16 == 0 \
+            and w.group_size in INT4_KERNEL_GROUPS and w.in_features % w.group_size == 0:
+        q = torch.stack((w.qweight & 15, w.qweight >> 4), -1).view(w.out_features, -1).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        zeros = w.offsets + 8 * w.scales
+        sz = torch.stack((w.scales, zeros), -1).transpose(0, 1).contiguous().to(dtype)
+        return _replace(w, Int4Packed(packed, sz))
+    if isinstance(w, Int8GroupWeight) and dtype in _HALF and w.in_features % w.group_size == 0:
+        n, k, g = w.out_features, w.in_features, w.group_size
+        q = w.qweight.view(n, k // g, g).transpose(0, 1).contiguous()
+        return _replace(w, Int8Grouped(q, w.scales.t().contiguous().to(dtype)))
+    return w
+
+
+def _replace(w: WeightHandle, prepared) -> WeightHandle:
+    return dataclasses.replace(w, prepared=prepared)
+
+
+# -- dequantization (the exact fallback, and embedding rows) --------------------
+
+def dequantize(w: WeightHandle, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    """float32 rows of the weight (all of it by default)."""
+    if isinstance(w, Int4GroupWeight):
+        p = w.qweight[rows]
+        q = torch.stack((p & 15, p >> 4), -1).view(p.shape[0], -1, w.group_size).to(torch.float32)
+        return torch.addcmul(w.offsets[rows][..., None], q, w.scales[rows][..., None]).view(p.shape[0], -1)
+    if isinstance(w, Int8GroupWeight):
+        q = w.qweight[rows]
+        q = q.view(q.shape[0], -1, w.group_size).to(torch.float32)
+        return (q * w.scales[rows][..., None]).view(q.shape[0], -1)
+    if isinstance(w, Fp8Weight):
+        q = w.qweight[rows].view(torch.float8_e4m3fn).to(torch.float32)
+        s = w.scales if w.scales.numel() == 1 else w.scales[rows][:, None]
+        return q * s
+    raise TypeError(f"torch cannot dequantize a {type(w).__name__} (kind {w.kind!r})")
+
+
+def _linear_in_tiles(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
+    """Dequantize a few thousand rows at a time, so no full float copy of the weight ever exists."""
+    n, k = w.out_features, w.in_features
+    # bf16 GEMMs are fast on CPUs with AVX512-BF16; fp16 ones are not (see linear.py): fp32 for those.
+    cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    xc = x.to(cdt)
+    out = torch.empty(x.shape[0], n, dtype=cdt, device=x.device)
+    step = max(16, TILE_ELEMENTS // max(1, k))
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        torch.mm(xc, dequantize(w, slice(lo, hi)).to(cdt).t(), out=out[:, lo:hi])
+    if w.bias is not None:
+        out += w.bias.to(cdt)
+    return out.to(x.dtype)
+
+
+def _int8_grouped(x: torch.Tensor, w: Int8GroupWeight, p: Int8Grouped) -> torch.Tensor:
+    xg = x.view(x.shape[0], -1, w.group_size)
+    y = torch.zeros(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
+    for g in range(p.q.shape[0]):
+        # Each group's partial product is summed in float32: only the result is rounded to x's dtype.
+        y += torch.ops.aten._weight_int8pack_mm(xg[:, g], p.q[g], p.scales[g])
+    if w.bias is not None:
+        y += w.bias.float()
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
+    t, p = x.shape[0], w.prepared
+    if t == 0:
+        return x.new_zeros(0, w.out_features)
+    if isinstance(p, Int4Packed) and t <= INT4_KERNEL_MAX_ROWS and x.dtype == p.scale_and_zeros.dtype:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), p.packed, w.group_size, p.scale_and_zeros)
+        return y if w.bias is None else y + w.bias.to(x.dtype)
+    if isinstance(p, Int8Grouped) and t <= INT8_GROUP_KERNEL_MAX_ROWS and x.dtype == p.scales.dtype:
+        return _int8_grouped(x.contiguous(), w, p)
+    return _linear_in_tiles(x, w)
+
+
+def embedding(ids: torch.Tensor, table: WeightHandle) -> torch.Tensor:
+    """Rows of a quantized table, dequantized (a tied, quantized lm_head used as embedding)."""
+    return dequantize(table, ids.long()).to(_DTYPES[table.dtype])
+
+
+# -- what the backend registers: dense handles go to `linear.py` ------------------
+
+def prepare_any(w: WeightHandle) -> WeightHandle:
+    return dense.prepare_weight(w) if isinstance(w, DenseWeight) else prepare_weight(w)
+
+
+def linear_any(x: torch.Tensor, weight: WeightHandle) -> torch.Tensor:
+    return dense.linear(x, weight) if isinstance(weight, DenseWeight) else linear(x, weight)
+
+
+def embedding_any(ids: torch.Tensor, table) -> torch.Tensor:
+    return embedding(ids, table) if isinstance(table, WeightHandle) else ops.embedding(ids, table)

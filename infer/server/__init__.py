@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`infer serve`): FastAPI routes over one AsyncLLM per model."""

@@ -1,0 +1,116 @@
+"""`infer serve`: load the models, then run the OpenAI-compatible server under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import sys
+
+from ..cli_model import add_engine_args, engine_args
+
+
+def add_serve(sub) -> None:
+    # "resolve": --model is redefined below to take several models.
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's routes, flags and metrics)",
+                       conflict_handler="resolve")
+    add_engine_args(p)
+    p.add_argument("--model", action="append", default=None, metavar="MODEL",
+                   help="HF directory, .gguf file or alias; repeat to serve several (default: smollm2)")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="the name clients use, one per --model (default: the --model value)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on the API routes (repeatable; env INFER_API_KEY)")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=cmd_serve)
+
+
+def _names(args: argparse.Namespace) -> list[tuple[str, str]]:
+    models = args.model or ["smollm2"]
+    names = args.served_model_name or []
+    if names and len(names) != len(models):
+        raise ValueError(f"got {len(names)} --served-model-name for {len(models)} --model; give one per model")
+    return list(zip(models, names or models))
+
+
+def build(args: argparse.Namespace):
+    """The app and its engine threads, from parsed flags."""
+    from ..core.async_engine import AsyncLLM
+    from ..core.engine import LLMEngine
+    from .app import create_app
+    from .metrics import Metrics
+    from .models import ModelRegistry, ServedModel
+
+    metrics = Metrics()
+    served = []
+    try:
+        for model, name in _names(args):
+            engine = LLMEngine(engine_args(args, model=model, show_progress=False))
+            served.append(ServedModel(name, AsyncLLM(engine, [metrics.logger(name, engine.expert_load)])))
+        registry = ModelRegistry(served)
+    except BaseException:
+        for m in served:
+            m.llm.shutdown()
+        raise
+    keys = args.api_key or ([os.environ["INFER_API_KEY"]] if os.environ.get("INFER_API_KEY") else None)
+    return create_app(registry, metrics, keys, args.max_request_body_bytes)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import prometheus_client
+        import uvicorn
+    except ImportError as exc:
+        print(f"infer serve: {exc}; install the server's dependencies with pip install 'infer[serve]'", file=sys.stderr)
+        return 2
+    # Like vLLM: no *_created series beside every counter and histogram.
+    prometheus_client.disable_created_metrics()
+    try:
+        app = build(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"infer serve: {exc}", file=sys.stderr)
+        return 2
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+        sock.listen(2048)  # connections made before uvicorn's loop runs wait in the backlog
+    except OSError as exc:
+        print(f"infer serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    models = ", ".join(m.name for m in app.state.models)
+    # Listening before printing, so whoever reads this line can connect at once.
+    print(f"infer serve: {models} on http://{host}:{port}", flush=True)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+                            lifespan="on")
+    _graceful_server(config).run(sockets=[sock])
+    return 0
+
+
+def _graceful_server(config):
+    """A uvicorn.Server that exits 0 after a SIGTERM it handled gracefully.
+
+    uvicorn re-raises the signal once it has shut down, so the process would
+    die 'killed by SIGTERM'; for an orchestrator a clean drain is a clean exit.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                captured = getattr(self, "_captured_signals", [])
+                captured[:] = [s for s in captured if s != signal.SIGTERM]
+
+    return Server(config)

@@ -1,0 +1,91 @@
+"""The models one server process serves, each behind its own AsyncLLM, routed by name."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.async_engine import AsyncLLM
+from ..core.engine import LLMEngine
+from .errors import APIError
+
+# generation_config keys that become the defaults of unset request fields.
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    llm: AsyncLLM
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        # The engine thread detokenizes with its tokenizer while the event loop
+        # applies chat templates and serves /tokenize; a fast tokenizer used
+        # from two threads at once can fail ("Already borrowed"), so each side
+        # has its own copy.
+        tok = self.llm.engine.tokenizer
+        self._tokenizer = copy.deepcopy(tok) if tok is not None else None
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.llm.engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        gen = self.engine.generation_config or {}
+        return {k: gen[k] for k in _SAMPLING_DEFAULTS if gen.get(k) is not None}
+
+    def tokenizer(self, what: str):
+        tok = self._tokenizer
+        if tok is None:
+            raise APIError(400, f"model '{self.name}' was loaded without a tokenizer, so it cannot {what}; "
+                                "send prompts as token ids")
+        return tok
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation under the model's chat template."""
+        tok = self.tokenizer("apply a chat template")
+        template = self.engine.chat_template
+        if template is None:
+            raise APIError(400, f"model '{self.name}' has no chat template; use /v1/completions", "messages")
+        try:
+            ids = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=False)
+        except Exception as exc:  # jinja raises on conversations the template forbids (role order, ...)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
+        return [int(t) for t in ids]
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
+                "root": self.engine.args.model, "parent": None, "max_model_len": self.max_model_len}
+
+
+class ModelRegistry:
+    def __init__(self, models: list[ServedModel]):
+        if not models:
+            raise ValueError("serve at least one model")
+        names = [m.name for m in models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"served model names must be unique; {', '.join(dupes)} given twice "
+                             "(use --served-model-name)")
+        self.models = {m.name: m for m in models}
+        self.default = models[0]
+
+    def get(self, name: str | None) -> ServedModel:
+        """The model a request names, the first served one when it names none; 404 otherwise."""
+        if name is None:
+            return self.default
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(404, f"the model '{name}' does not exist; served: {', '.join(self.models)}", "model")
+        return model
+
+    def __iter__(self):
+        return iter(self.models.values())

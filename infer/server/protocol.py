@@ -1,0 +1,189 @@
+"""Request bodies of the OpenAI API (the fields the engine supports) plus vLLM's
+extras, and their translation to SamplingParams.
+
+Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI
+fields keep working; fields we cannot honour when set are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.sampling_params import SamplingParams
+from .errors import APIError
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs too
+MAX_N = 128  # completions per prompt: each is a sequence in the batch, so a huge n is a denial of service
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    # NaN and infinities (which Python's JSON parser accepts) are never valid sampling values.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = Field(None, description="served model name; the first served model when omitted")
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Bounded so that they fit the engine's int64/int32 sampling tensors.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1 - MAX_N)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # OpenAI's range
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+
+    def _max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """SamplingParams for this request; `defaults` is the model's generation_config.
+
+        Sampling knobs the request leaves unset take the model's defaults, as
+        vLLM does with ``--generation-config auto``.
+        """
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        try:
+            return SamplingParams(
+                n=self.n, temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
+                top_k=int(pick("top_k", 0)), min_p=float(pick("min_p", 0.0)),
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=float(pick("repetition_penalty", 1.0)), seed=self.seed,
+                max_tokens=self._max_tokens(), min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._num_logprobs(),
+                logit_bias=bias, skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:  # "SamplingParams.top_p must be in (0, 1], got 5.0"
+            msg = str(exc)
+            param = msg.split(" ", 1)[0].removeprefix("SamplingParams.") if msg.startswith("SamplingParams.") else None
+            raise APIError(400, msg.replace("SamplingParams.", ""), param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        return self.logprobs
+
+    def prompts(self) -> list[str | dict]:
+        """The prompts as the engine takes them: text, or {'prompt_token_ids': [...]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [{"prompt_token_ids": list(p)}]
+        else:
+            items = [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+        if not items:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        return items
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, name, ...: passed to the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"content parts of type {part.get('type')!r} are not supported; send text",
+                                   "messages")
+                texts.append(part["text"])
+            msg["content"] = "\n".join(texts)
+        msg.setdefault("content", "")
+        if msg["role"] == "developer":  # OpenAI's newer name for the system role
+            msg["role"] = "system"
+        return msg
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than 'text' (structured output) is not supported",
+                           "response_format")
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,50 @@
+"""Quantized weights for the conformance cases: host fields, and the handle a backend gets.
+
+Codes and scales are random (not quantized from a float matrix): the cases
+check that a backend computes with exactly the matrix a handle stands for,
+whatever the values. Scales are sized so results stay O(1), like the dense
+cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..primitives.fp8 import e4m3_encode
+from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+
+QUANT_KINDS = ("int4", "int8", "fp8", "fp8_tensor")
+
+
+def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int = 32) -> dict[str, Any]:
+    """NumPy fields of an [n, k] weight in format `quant` (see QUANT_KINDS)."""
+    if quant == "int4":
+        scales = rng.uniform(0.5, 1.5, (n, k // group)) * k**-0.5 / 4
+        # Zero points around the middle of 0..15 (AWQ/GPTQ/Q4_0 style), jittered as Q4_1's min is.
+        offsets = -scales * rng.uniform(6.0, 9.0, (n, k // group))
+        q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        return {"kind": quant, "qweight": q, "scales": scales.astype(np.float32),
+                "offsets": offsets.astype(np.float32), "group_size": group}
+    if quant == "int8":
+        scales = rng.uniform(0.5, 1.5, (n, k // group)) * k**-0.5 / 64
+        return {"kind": quant, "qweight": rng.integers(-127, 128, (n, k), dtype=np.int8),
+                "scales": scales.astype(np.float32), "group_size": group}
+    if quant in ("fp8", "fp8_tensor"):
+        codes = e4m3_encode(rng.standard_normal((n, k)) * 64.0)
+        count = 1 if quant == "fp8_tensor" else n
+        scales = rng.uniform(0.5, 1.5, count) * k**-0.5 / 64
+        return {"kind": quant, "qweight": codes, "scales": scales.astype(np.float32)}
+    raise ValueError(f"unknown quantized format {quant!r}; expected one of {QUANT_KINDS}")
+
+
+def handle(fields: dict[str, Any], asarray, bias: Any, dtype: str) -> WeightHandle:
+    """The handle of `fields` with arrays made by `asarray` (a backend's, or NumPy's)."""
+    kind = fields["kind"]
+    q, s = asarray(fields["qweight"]), asarray(fields["scales"])
+    if kind == "int4":
+        return Int4GroupWeight(q, s, asarray(fields["offsets"]), fields["group_size"], bias, dtype)
+    if kind == "int8":
+        return Int8GroupWeight(q, s, fields["group_size"], bias, dtype)
+    return Fp8Weight(q, s, bias, dtype)

@@ -1,0 +1,157 @@
+"""AsyncLLM: one engine thread serving many asyncio callers, in-process on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from server_harness import make_tiny_model_dir
+
+from infer.core.async_engine import AsyncLLM, EngineDeadError
+from infer.core.engine import LLMEngine
+from infer.core.llm import LLM
+from infer.core.sampling_params import SamplingParams
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "Paris is", "def f(x):", "Ünïcödé 🙂", "Berlin"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def stats():
+    return []
+
+
+@pytest.fixture
+def allm(model_dir, stats):
+    llm = AsyncLLM(LLMEngine(model=str(model_dir), backend="torch", max_num_seqs=4),
+                   [lambda s, it: stats.append((s, it))])
+    yield llm
+    llm.shutdown()
+    bm = llm.engine.scheduler.block_manager
+    assert not llm.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+
+
+async def collect(allm: AsyncLLM, rid: str, prompt, params=GREEDY):
+    outs = [out async for out in await allm.generate(rid, prompt, params)]
+    return outs
+
+
+def wait_idle(allm: AsyncLLM, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while allm.num_unfinished or allm.engine.has_unfinished_requests():
+        assert time.time() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+
+
+def test_concurrent_requests_match_offline_generate(allm, model_dir):
+    want = LLM(str(model_dir), backend="torch").generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    async def run():
+        return await asyncio.gather(*(collect(allm, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+
+    results = asyncio.run(run())
+    for outs, w in zip(results, want):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert outs[-1].outputs[0].text == w.outputs[0].text
+        assert outs[-1].outputs[0].token_ids == w.outputs[0].token_ids
+        # outputs are cumulative: each one extends the previous
+        ids = [o.outputs[0].token_ids for o in outs]
+        assert all(b[:len(a)] == a for a, b in zip(ids, ids[1:]))
+
+
+def test_refused_request_raises_and_the_engine_keeps_serving(allm):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await allm.generate("long", "word " * 400, GREEDY)
+        with pytest.raises(ValueError, match="already in use"):
+            first = await allm.generate("dup", PROMPTS[0], GREEDY)
+            await allm.generate("dup", PROMPTS[0], GREEDY)
+        outs = [o async for o in first]
+        return outs, await collect(allm, "ok", PROMPTS[1])
+
+    first, ok = asyncio.run(run())
+    assert len(first[-1].outputs[0].token_ids) == 12 and len(ok[-1].outputs[0].token_ids) == 12
+
+
+def test_leaving_the_iterator_early_aborts_and_frees_blocks(allm, stats):
+    async def run():
+        stream = await allm.generate("leave", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200,
+                                                                          ignore_eos=True))
+        async for out in stream:
+            if out.outputs[0].token_ids:
+                break
+        await stream.aclose()
+
+    asyncio.run(run())
+    wait_idle(allm)
+    finished = [f for _, it in stats if it for f in it.finished]
+    assert [f.finish_reason for f in finished] == ["abort"]
+    assert finished[0].num_generation_tokens < 200
+
+
+def test_stat_loggers_see_every_token(allm, stats):
+    async def run():
+        return await asyncio.gather(*(collect(allm, f"s{i}", p) for i, p in enumerate(PROMPTS[:3])))
+
+    results = asyncio.run(run())
+    wait_idle(allm)
+    its = [it for _, it in stats if it]
+    assert sum(it.num_generation_tokens for it in its) == 36
+    assert sum(it.num_prompt_tokens for it in its) == sum(len(r[-1].prompt_token_ids) for r in results)
+    assert len([t for it in its for t in it.time_to_first_tokens]) == 3
+    assert len([t for it in its for t in it.inter_token_latencies]) == 33
+    assert len([t for it in its for t in it.queue_times]) == 3
+    assert sorted(f.finish_reason for it in its for f in it.finished) == ["length"] * 3
+    last = stats[-1][0]
+    assert last.num_running == 0 and last.num_waiting == 0 and last.kv_cache_usage == 0
+
+
+def test_shutdown_aborts_in_flight_requests(allm):
+    async def run():
+        stream = await allm.generate("long", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200,
+                                                                         ignore_eos=True))
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 2:
+                await asyncio.to_thread(allm.shutdown)
+        return outs
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert not allm._thread.is_alive()
+
+    async def late():
+        await allm.generate("late", PROMPTS[0], GREEDY)
+
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        asyncio.run(late())
+
+
+def test_engine_failure_fails_streams_instead_of_hanging(allm, monkeypatch):
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    async def run():
+        stream = await allm.generate("x", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        monkeypatch.setattr(allm.engine, "step", broken_step)
+        return [o async for o in stream]
+
+    with pytest.raises(EngineDeadError, match="device lost"):
+        asyncio.run(run())
+    assert allm.dead is not None
+
+    async def later():
+        await allm.generate("y", PROMPTS[0], GREEDY)
+
+    with pytest.raises(EngineDeadError, match="failed earlier"):
+        asyncio.run(later())
+    monkeypatch.undo()
+    allm.engine.abort_request("x")  # the thread is gone; clean up so the fixture's leak check holds
+    allm.engine.step()

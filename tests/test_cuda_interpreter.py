@@ -1,0 +1,259 @@
+"""The `cuda` backend's Triton kernels, run on the CPU by Triton's interpreter.
+
+TRITON_INTERPRET=1 has to be set before `@triton.jit` runs, and setting it in
+this process would also make `cuda` available (and first in `--backend auto`)
+to every other test sharing the pytest or xdist worker process. So each check
+runs in a fresh subprocess with the variable set: the conformance groups
+through `run_conformance` (what `infer conformance` runs), the rest as
+`check_*` functions of this module imported by the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.backends.cuda.backend import NATIVE  # imports no kernel module
+
+HERE = Path(__file__).parent
+# Conformance split into groups of similar cost so xdist's two workers share it.
+GROUPS = {
+    "attention": ["attention"],
+    "kv_write_moe": ["kv_write", "copy_blocks", "moe"],
+    # The row-wise kernels, and the primitives `cuda` takes from `torch` by declaration.
+    "rowwise_and_fallbacks": ["rms_norm", "rotary", "act_and_mul", "embedding", "linear", "sample", "all_reduce",
+                              "all_gather"],
+}
+
+_CONFORMANCE = """
+import json, sys
+from infer.testing import run_conformance
+report = run_conformance("cuda", primitives=sys.argv[1:])
+print(json.dumps({"device": report.device, "results": [
+    [r.case.id, r.case.primitive, r.status, r.provider, r.detail] for r in report.results]}))
+"""
+
+
+def _interpreted(args: list[str], timeout: int = 600) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    return res.stdout
+
+
+def _check(name: str) -> None:
+    _interpreted(["-c", f"import test_cuda_interpreter as t; t.{name}()"])
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_cuda_conforms_to_cpu_ref_in_the_interpreter(group):
+    out = json.loads(_interpreted(["-c", _CONFORMANCE, *GROUPS[group]]).strip().splitlines()[-1])
+    assert out["device"] == "cpu"
+    results = out["results"]
+    assert {r[1] for r in results} == set(GROUPS[group])
+    bad = [r for r in results if r[2] != "pass"]
+    assert not bad, "\n".join(f"{cid}: {status}: {detail}" for cid, _, status, _, detail in bad)
+    # The kernels, not the torch fallback, must be what passed (fp8 KV caches
+    # are declined through `kv_cache_dtypes`, so torch serves those cases).
+    wrong = {r[0]: r[3] for r in results if r[1] in NATIVE and r[3] != "cuda" and "fp8_" not in r[0]}
+    assert not wrong, f"served by another backend: {wrong}"
+
+
+def test_backend_is_available_in_interpreter_mode_with_a_note():
+    _check("check_availability")
+
+
+def test_split_kv_decoding_matches_one_pass_and_the_reference():
+    _check("check_split_kv")
+
+
+def test_padding_requests_write_nothing_and_read_nothing():
+    _check("check_padding_requests")
+
+
+def test_tiny_llama_greedy_tokens_match_torch_and_transformers():
+    _check("check_tiny_llama_greedy")
+
+
+def test_gpu_check_script_runs_every_section_on_toy_shapes():
+    # Conformance is skipped: the parametrized test above runs all of it.
+    out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance"])
+    assert "gpu_check passed" in out
+    for line in ("[primitives]", "[attention]", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3"):
+        assert line in out, out
+
+
+def test_without_the_variable_or_a_gpu_cuda_is_unavailable_with_the_reason():
+    import torch
+
+    from infer.backends.cuda.backend import CudaBackend
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("this host has a GPU or runs everything interpreted")
+    ok = CudaBackend.is_available()
+    assert not ok and "TRITON_INTERPRET=1" in ok.reason and "no CUDA GPU" in ok.reason
+
+
+def test_cuda_graphs_are_not_taken_off_a_gpu_and_decode_runs_eagerly():
+    import torch
+    from tiny_models import make_model
+
+    from infer.backends.cuda.graphs import DecodeGraphs
+    from infer.core.lowering import lower
+    from infer.core.model_runner import ModelRunner
+    from infer.core.models.llama import build_llama
+    from infer.primitives.types import AttentionMetadata
+    from infer.registry import Ops, get_backend
+
+    _, config, weights = make_model("llama3")
+    backend = get_backend("torch")
+    runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), weights, "float32", 256)
+    runner.allocate_kv_caches(num_blocks=4, block_size=16)
+    graphs = DecodeGraphs(runner, max_model_len=256, max_blocks_per_seq=16, block_size=16, batch_sizes=(1, 2))
+    graphs.capture()
+    assert not graphs.enabled and not graphs.graphs
+    meta = AttentionMetadata(np.array([0, 1], np.int32), np.array([1], np.int32), np.array([[2]], np.int32),
+                             np.array([32], np.int64), 1, 1, 16)
+    logits = graphs.forward(np.array([5]), np.array([0]), meta)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (1, 211) and torch.isfinite(logits).all()
+
+
+# -- checks run inside the interpreted child process -----------------------------------
+def _attention_case(reqs, dtype="float32", **kw):
+    from infer.testing.inputs import attention
+
+    return attention(np.random.default_rng(7), dtype, reqs, **kw)
+
+
+def _run_attention(backend, x, dtype, num_splits):
+    from infer.backends.cuda.attention import paged_attention
+
+    cache = backend.allocate_kv_cache(*x["cache_shape"], dtype)
+    if len(x["cached_slots"]):
+        backend.kv_write(backend.asarray(x["cached_k"], dtype), backend.asarray(x["cached_v"], dtype), cache,
+                         backend.asarray(x["cached_slots"]))
+    meta = backend.prepare_metadata(x["meta"])
+    backend.kv_write(backend.asarray(x["new_k"], dtype), backend.asarray(x["new_v"], dtype), cache, meta.slot_mapping)
+    out = paged_attention(backend.asarray(x["q"], dtype), cache, meta, x["scale"], x["sliding_window"], x["soft_cap"],
+                          num_splits=num_splits)
+    return backend.to_numpy(out)
+
+
+def _reference_attention(x):
+    from infer.backends.cpu_ref import CpuRefBackend
+
+    ref = CpuRefBackend()
+    cache = ref.allocate_kv_cache(*x["cache_shape"], "float32")
+    ref.kv_write(x["cached_k"], x["cached_v"], cache, x["cached_slots"])
+    ref.kv_write(x["new_k"], x["new_v"], cache, x["meta"].slot_mapping)
+    return ref.attention(x["q"], cache, x["meta"], x["scale"], x["sliding_window"], x["soft_cap"])
+
+
+def check_availability():
+    from infer.backends.cuda.backend import INTERPRETER_NOTE, CudaBackend
+    from infer.registry import get_backend
+
+    ok = CudaBackend.is_available()
+    assert ok and ok.reason == INTERPRETER_NOTE
+    assert get_backend("cuda").device == "cpu"
+    # Interpreter mode is for testing: asked for by name it runs, `auto` passes it over.
+    assert get_backend("auto").name == "torch"
+    import contextlib
+    import io
+
+    from infer.cli import main
+
+    os.environ["COLUMNS"] = "400"  # one table line per backend, however the parent's terminal was sized
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        main(["backends"])
+    (row,) = [line for line in text.getvalue().splitlines() if line.startswith("│ cuda")]
+    assert f"yes ({INTERPRETER_NOTE})" in row and "│ cpu " in row, text.getvalue()
+
+
+def check_split_kv():
+    from infer.backends.cuda import CudaBackend
+
+    backend = CudaBackend()
+    # Long decode contexts, one of them empty of history, plus a window and GQA 4.
+    for kw in (dict(reqs=[(1, 150), (1, 70), (1, 1)], hq=8, d=64),
+               dict(reqs=[(1, 150), (1, 97)], hq=8, d=64, sliding_window=40),
+               dict(reqs=[(3, 140), (1, 66)], hq=4, hk=1, d=128, soft_cap=4.0)):
+        for dtype, tol in (("float32", 1e-5), ("float16", 2e-3))[: 2 if "sliding_window" in kw else 1]:
+            x = _attention_case(dtype=dtype, **kw)
+            want = _reference_attention(x)
+            one = _run_attention(backend, x, dtype, 1)
+            for splits in (3,):
+                got = _run_attention(backend, x, dtype, splits)
+                np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{kw} {dtype} splits={splits}")
+                np.testing.assert_allclose(got, one, atol=tol, rtol=tol)
+
+
+def check_padding_requests():
+    """A decode batch padded as a CUDA graph pads it: extra 1-token requests with
+    seq_len 0 and slot -1 leave the cache untouched and get zero output."""
+    from infer.backends.cuda import CudaBackend
+    from infer.primitives.types import AttentionMetadata
+
+    backend = CudaBackend()
+    x = _attention_case(reqs=[(1, 20), (1, 5)], hq=4, d=64)
+    want = _reference_attention(x)
+    m = x["meta"]
+    pad = 3
+    padded = AttentionMetadata(
+        np.arange(len(m.seq_lens) + pad + 1, dtype=np.int32), np.append(m.seq_lens, [0] * pad).astype(np.int32),
+        np.vstack([m.block_table, np.zeros((pad, m.block_table.shape[1]), np.int32)]),
+        np.append(m.slot_mapping, [-1] * pad).astype(np.int64), 1, m.max_seq_len, m.block_size)
+    cache = backend.allocate_kv_cache(*x["cache_shape"], "float32")
+    backend.kv_write(backend.asarray(x["cached_k"]), backend.asarray(x["cached_v"]), cache, backend.asarray(x["cached_slots"]))
+    before = cache.clone()
+    meta = backend.prepare_metadata(padded)
+    junk = np.full((pad, *x["new_k"].shape[1:]), 7.0, np.float32)
+    k, v = np.concatenate([x["new_k"], junk]), np.concatenate([x["new_v"], junk])
+    backend.kv_write(backend.asarray(k), backend.asarray(v), cache, meta.slot_mapping)
+    changed = (cache != before).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+    written = sorted({int(s) // m.block_size for s in m.slot_mapping})
+    assert set(changed) <= set(written), (changed, written)
+    assert not (cache == 7.0).any()
+    q = np.concatenate([x["q"], np.ones((pad, *x["q"].shape[1:]), np.float32)])
+    for splits in (1, 2):
+        from infer.backends.cuda.attention import paged_attention
+
+        out = backend.to_numpy(paged_attention(backend.asarray(q), cache, meta, x["scale"], num_splits=splits))
+        np.testing.assert_allclose(out[: len(x["q"])], want, atol=1e-5, rtol=1e-5)
+        assert not out[len(x["q"]):].any()
+
+
+def check_tiny_llama_greedy():
+    import tempfile
+
+    import torch
+    from tiny_models import make_model
+
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+
+    model, _, _ = make_model("llama3")  # GQA 3:1, head_dim 64, llama3 rope
+    rng = np.random.default_rng(0)
+    # Across a block boundary, short, exactly one block, one token.
+    prompts = [rng.integers(3, 211, n).tolist() for n in (21, 5, 16, 1)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        got = {}
+        for name in ("cuda", "torch"):
+            # A small token budget so prompts are chunked and prefill mixes with decode.
+            llm = LLM(path, backend=name, skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=16)
+            assert llm.engine.ops.provider("attention").name == name
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            got[name] = [o.outputs[0].token_ids for o in outs]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert got["cuda"] == got["torch"] == want, got

@@ -1,0 +1,135 @@
+"""Tiny random Mixtral, Qwen2-MoE and Qwen3-MoE models through graph ->
+lowering -> runner, and through the engine from a saved HF directory, must
+give transformers' own logits and greedy tokens on every in-tree CPU backend."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from infer.core.llm import LLM
+from infer.core.loader import CorruptCheckpointError, load_model
+from infer.core.lowering import lower
+from infer.core.model_runner import ModelRunner
+from infer.core.models.moe import build_moe
+from infer.core.sampling_params import SamplingParams
+from infer.registry import Ops, get_backend
+
+from tiny_models import assert_logits_match_through_chunks
+from tiny_moe_models import MOE_MODELS, make_moe_model, save_moe_model
+
+BACKENDS = ["torch", "cpu_ref"]
+VOCAB = 211
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("kind", list(MOE_MODELS))
+def test_logits_match_transformers_through_prefill_chunks_and_decode(kind, backend_name):
+    model, config, weights = make_moe_model(kind)
+    backend = get_backend(backend_name)
+    runner = ModelRunner(lower(build_moe(config)), backend, Ops(backend), weights, "float32", 256)
+    assert_logits_match_through_chunks(model, runner, backend, VOCAB)
+
+
+PROMPT_LENS, NEW_TOKENS = (30, 9, 17), 32
+
+
+@pytest.fixture(scope="module", params=list(MOE_MODELS))
+def saved_model(request, tmp_path_factory):
+    """(HF directory as transformers writes it, the transformers model,
+    prompts, and per prompt transformers' greedy tokens and routing)."""
+    directory = tmp_path_factory.mktemp(request.param)
+    model = save_moe_model(request.param, directory)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
+    return directory, model, prompts, [_greedy_and_routing(model, p, NEW_TOKENS) for p in prompts]
+
+
+def _greedy_and_routing(model, prompt: list[int], n: int) -> tuple[list[int], dict[int, np.ndarray]]:
+    """transformers' greedy continuation of `prompt`, and how its router sent
+    each token the engine runs (the prompt and all but the last new token)."""
+    routed: dict[int, np.ndarray] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "top_k"):
+            continue  # a dense layer
+
+        def hook(_mod, _inp, out, i=i, num=gate.num_experts):
+            routed[i] = routed.get(i, 0) + np.bincount(out[2].flatten().numpy(), minlength=num)
+
+        hooks.append(gate.register_forward_hook(hook))
+    tokens, cache, step = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):  # runs the prompt, then each new token but the last
+            out = model(step, cache=cache, use_cache=True)
+            cache = out.cache
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[tokens[-1]]])
+    for h in hooks:
+        h.remove()
+    return tokens, routed
+
+
+def test_loader_fuses_per_expert_tensors_into_transformers_layout(saved_model):
+    directory, model, _, _ = saved_model
+    loaded = load_model(directory, load_tokenizer=False)
+    want = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert set(loaded.weights) == set(want)
+    for name, w in want.items():
+        np.testing.assert_array_equal(loaded.weights[name], w, err_msg=name)
+
+
+def test_loader_reads_a_checkpoint_already_in_the_fused_layout(saved_model, tmp_path):
+    from safetensors.torch import save_file
+
+    directory, model, _, _ = saved_model
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path, load_tokenizer=False)
+    assert set(loaded.weights) == set(state)
+    for name, w in state.items():
+        np.testing.assert_array_equal(loaded.weights[name], w.numpy(), err_msg=name)
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_moe_model("mixtral", tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+        load_model(tmp_path, load_tokenizer=False)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_greedy_generation_matches_transformers_in_mixed_batches(saved_model, backend_name, leak_check):
+    directory, _, prompts, reference = saved_model
+    # A 16-token step budget: prompts prefill in chunks while earlier ones decode.
+    llm = LLM(str(directory), backend=backend_name, skip_tokenizer_init=True, max_num_batched_tokens=16,
+              max_num_seqs=4, max_model_len=128, show_progress=False)
+    leak_check.append(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, (tokens, _) in zip(outs, reference):
+        assert list(out.outputs[0].token_ids) == tokens
+    # Every token the engine ran was routed as transformers routed it.
+    want = {layer: sum(routed[layer] for _, routed in reference) for layer in reference[0][1]}
+    snap = llm.engine.expert_load.snapshot()
+    assert snap.layers == tuple(sorted(want))
+    np.testing.assert_array_equal(snap.tokens_per_expert, np.stack([want[k] for k in snap.layers]))
+    assert snap.steps > NEW_TOKENS  # chunked prefill took steps of its own
+
+
+def test_dense_models_have_no_expert_load(tmp_path):
+    from tiny_models import make_model
+
+    model, _, _ = make_model("qwen2")
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), backend="torch", skip_tokenizer_init=True, max_model_len=64, show_progress=False)
+    assert llm.engine.expert_load is None

@@ -1,0 +1,172 @@
+"""Quantized weights: the formats against independent references (gguf-py's
+quantize/dequantize, torch's fp8 cast, transformers' forward), and the
+conformance cases' power to catch a wrong quantized kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from infer.backends.cpu_ref.backend import CpuRefBackend
+from infer.backends.cpu_ref.quant import dequantize
+from infer.backends.torch_native import quant_linear
+from infer.core.loader.gguf_file import unpermute_rows
+from infer.core.loader.quant_gguf import permute_rows, to_handle
+from infer.core.lowering import lower
+from infer.core.model_runner import ModelRunner
+from infer.core.models.llama import build_llama
+from infer.primitives.fp8 import E4M3_MAX, e4m3_decode, e4m3_encode
+from infer.registry import Ops, get_backend
+from infer.testing.cases import all_cases
+from infer.testing.conformance import run_case
+
+from tiny_models import make_model, meta_for
+
+GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _ggml(type_name: str, rows: int = 6, cols: int = 96, seed: int = 0):
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    qtype = GGMLQuantizationType[type_name]
+    blocks = quants.quantize(w, qtype)
+    return blocks, np.asarray(quants.dequantize(blocks, qtype), dtype=np.float64)
+
+
+@pytest.mark.parametrize("type_name", GGML_TYPES)
+def test_gguf_tensor_kept_quantized_stands_for_what_gguf_py_dequantizes(type_name):
+    blocks, want = _ggml(type_name)
+    handle = to_handle(blocks, type_name, *want.shape)
+    np.testing.assert_array_equal(dequantize(handle), want)
+    torch_handle = type(handle)(**{f: (torch.from_numpy(np.asarray(v)) if isinstance(v, np.ndarray) else v)
+                                   for f, v in ((f, getattr(handle, f)) for f in handle.__dataclass_fields__)
+                                   if f != "kind"})
+    np.testing.assert_array_equal(quant_linear.dequantize(torch_handle).numpy(), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", GGML_TYPES)
+def test_qk_rows_unpermuted_on_packed_rows_equal_unpermuted_floats(type_name):
+    blocks, want = _ggml(type_name, rows=24, cols=64)
+    handle = permute_rows(to_handle(blocks, type_name, 24, 64), lambda a: unpermute_rows(a, 3))
+    np.testing.assert_array_equal(dequantize(handle), unpermute_rows(want, 3))
+
+
+def test_fp8_encoding_is_torchs_saturated_e4m3fn_cast():
+    rng = np.random.default_rng(0)
+    finite = e4m3_decode(np.arange(256, dtype=np.uint8))
+    finite = finite[np.isfinite(finite)]
+    midpoints = (np.sort(finite)[1:] + np.sort(finite)[:-1]) / 2  # ties: round to the even code
+    x = np.concatenate([rng.standard_normal(20000) * 30, finite, midpoints, [500.0, -1e4, 1e-9]]).astype(np.float32)
+    want = torch.from_numpy(np.clip(x, -E4M3_MAX, E4M3_MAX)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(e4m3_encode(x), want)
+
+
+class IgnoresInt4Offsets(CpuRefBackend):
+    name = "mutant"
+
+    def linear(self, x, weight):
+        if weight.kind == "int4_group":
+            weight = type(weight)(weight.qweight, weight.scales, weight.offsets * 0, weight.group_size,
+                                  weight.bias, weight.dtype)
+        return CpuRefBackend.linear(x, weight)
+
+
+class Fp8PerTensorAsFirstChannel(CpuRefBackend):
+    name = "mutant"
+
+    def linear(self, x, weight):
+        if weight.kind == "fp8" and weight.scales.size > 1:
+            weight = type(weight)(weight.qweight, weight.scales[:1], weight.bias, weight.dtype)
+        return CpuRefBackend.linear(x, weight)
+
+
+@pytest.mark.parametrize("mutant, must_fail", [
+    (IgnoresInt4Offsets, "linear-int4_t5_bias-fp32"),
+    (Fp8PerTensorAsFirstChannel, "linear-fp8_t5_bias-fp32"),
+])
+def test_conformance_catches_a_wrong_quantized_linear(mutant, must_fail):
+    case = next(c for c in all_cases() if c.id == must_fail)
+    assert run_case(mutant(), case).status == "fail"
+
+
+def _logits(runner, backend, ids):
+    meta = meta_for([(0, len(ids))], 16, [[0, 1, 2, 3]])
+    rows = np.arange(len(ids))
+    out = runner.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows), backend.prepare_metadata(meta))
+    return backend.to_numpy(out)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu_ref"])
+def test_online_fp8_tiny_llama_logits_close_to_transformers(backend_name):
+    model, config, weights = make_model("llama3")
+    backend = get_backend(backend_name)
+    runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), dict(weights), "float32", 256,
+                         quantization="fp8")
+    assert {h.kind for h in runner._handles.values()} == {"fp8", "dense"}  # projections fp8, lm_head dense
+    runner.allocate_kv_caches(num_blocks=4, block_size=16)
+    ids = np.random.default_rng(1).integers(0, 211, 20)
+    got = _logits(runner, backend, ids)
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)[None]).logits[0].numpy()
+    # e4m3 keeps 3 mantissa bits: each weight is off by at most 2**-4 of its
+    # magnitude (uniform-ish, ~2**-4/sqrt(3) rms), so each projection's output
+    # is off by ~3.6% rms of its size, and two layers of them compound to a
+    # few percent of the logits' spread. 10% of that spread bounds it with
+    # margin; the dense run agrees to 1e-4.
+    spread = want.std()
+    err = np.abs(got - want)
+    print(f"fp8 logits: max err {err.max() / spread:.3f}, rms err {np.sqrt((err**2).mean()) / spread:.3f} of the spread")
+    assert err.max() < 0.25 * spread and np.sqrt((err**2).mean()) < 0.1 * spread, (err.max(), spread)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+class Fp8KvIgnoresScales(CpuRefBackend):
+    name = "mutant"
+
+    def kv_write(self, k, v, kv_cache, slot_mapping, scales=None):
+        return CpuRefBackend.kv_write(k, v, kv_cache, slot_mapping, None)
+
+
+class Fp8KvAttentionIgnoresScales(CpuRefBackend):
+    name = "mutant"
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None):
+        return CpuRefBackend.attention(q, kv_cache, meta, scale, sliding_window, soft_cap)
+
+
+@pytest.mark.parametrize("mutant, must_fail", [
+    (Fp8KvIgnoresScales, "kv_write-fp8_scattered-fp32"),
+    (Fp8KvAttentionIgnoresScales, "attention-fp8_kv_mixed_gqa3_d64-fp32"),
+])
+def test_conformance_catches_a_wrong_fp8_kv_cache(mutant, must_fail):
+    case = next(c for c in all_cases() if c.id == must_fail)
+    assert run_case(mutant(), case).status == "fail"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    model, _, _ = make_model("llama3")
+    path = tmp_path_factory.mktemp("tiny-llama3-quant")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu_ref"])
+def test_fp8_kv_cache_holds_twice_the_tokens_and_keeps_greedy_tokens(tiny_dir, backend_name):
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+
+    model, path = tiny_dir
+    runs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(str(path), backend=backend_name, skip_tokenizer_init=True, max_num_seqs=4,
+                  kv_cache_memory=1 << 20, kv_cache_dtype=kv)
+        prompts = [{"prompt_token_ids": list(np.random.default_rng(i).integers(0, 211, 12))} for i in range(3)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        runs[kv] = (llm.engine.cache_config.num_blocks, [o.outputs[0].token_ids for o in outs])
+    assert runs["fp8"][0] == 4 * runs["auto"][0]  # float32 model: 4 bytes -> 1 per value
+    # e4m3 K/V (3 mantissa bits) perturb scores a little; greedy tokens of this
+    # model sit far enough apart that nearly all survive it.
+    same = np.mean([a == b for x, y in zip(runs["auto"][1], runs["fp8"][1]) for a, b in zip(x, y)])
+    assert same >= 0.8, runs
