@@ -24,8 +24,8 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time ther
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tiny_model_dir(path: Path, seed: int = 0) -> Path:
-    """Save a tiny random Llama, its tokenizer (vocab 320) and a ChatML template to `path`."""
+def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (vocab 320) trained on CORPUS, with a ChatML template."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -35,6 +35,12 @@ def make_tiny_model_dir(path: Path, seed: int = 0) -> Path:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                                 eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHATML
+    return fast
+
+
+def make_tiny_model_dir(path: Path, seed: int = 0) -> Path:
+    """Save a tiny random Llama, its tokenizer (vocab 320) and a ChatML template to `path`."""
+    fast = make_tokenizer()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
