@@ -29,8 +29,9 @@ def rms_norm(
     if residual is not None:
         # The sum is rounded to x's dtype: it is what the next layer adds to.
         x = x + residual
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.shape[0] <= FUSED_RMS_NORM_MAX_ROWS:
-        y = F.rms_norm(x, weight.shape, weight, eps)
+    if x.shape[0] <= FUSED_RMS_NORM_MAX_ROWS:
+        # In float32 whatever x's dtype, rounded once: the same arithmetic as below.
+        y = F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
     else:
         xf = x.float()
         inv_rms = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
@@ -85,12 +86,14 @@ def rotary(
     half = cos_sin_cache.shape[1] // 2
     cos_sin = cos_sin_cache.float().index_select(0, positions.long())[:, None, :]  # [T, 1, R]
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
-    if neox_style and q.dtype == torch.float32 and 2 * half == q.shape[-1] == k.shape[-1]:
+    if neox_style and 2 * half == q.shape[-1] == k.shape[-1]:
+        # float32 arithmetic, rounded once to q's dtype (a no-op for float32)
         qk = _adjacent_heads(q, k)
         if qk is not None:  # one pass over both (decode: half the kernel launches)
-            out = _rotate_neox_f32(qk, cos, sin)
+            out = _rotate_neox_f32(qk.float(), cos, sin).to(q.dtype)
             return out[:, : q.shape[1]], out[:, q.shape[1]:]
-        return _rotate_neox_f32(q, cos, sin), _rotate_neox_f32(k, cos, sin)
+        return (_rotate_neox_f32(q.float(), cos, sin).to(q.dtype),
+                _rotate_neox_f32(k.float(), cos, sin).to(k.dtype))
     return _rotate(q, cos, sin, neox_style), _rotate(k, cos, sin, neox_style)
 
 
