@@ -249,6 +249,8 @@ BAD = [  # (path, body, status, param)
     (COMP, {"prompt": "x", "n": 0}, 400, "n"),
     (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (COMP, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),  # prompt + max_tokens over max_model_len 256
+    (CHAT, {"messages": MSG, "max_tokens": 250}, 400, "max_tokens"),
     (COMP, {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     (COMP, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     (COMP, {"prompt": "x", "top_k": -5}, 400, "top_k"),

@@ -37,6 +37,7 @@ class Generation:
         for i, prompt in enumerate(prompts):
             rid = f"{self.request_id}-{i}"
             try:
+                prompt = self._within_context(prompt)
                 stream = await self.model.llm.generate(rid, prompt, self.params, self.priority)
             except (ValueError, TypeError) as exc:
                 self.abort()
@@ -51,6 +52,21 @@ class Generation:
                 raise
             self._ids.append(rid)
             self._streams.append(stream)
+
+    def _within_context(self, prompt: str | dict) -> str | dict:
+        """The prompt as token ids, after vLLM's check that the prompt and
+        max_tokens fit the context (the engine alone would cut max_tokens).
+        A prompt with no room at all is left for the engine to refuse."""
+        if self.params.max_tokens is None:
+            return prompt
+        if isinstance(prompt, str):  # tokenized here, on the server's own copy of the tokenizer
+            prompt = {"prompt": prompt, "prompt_token_ids": list(self.model.tokenizer("tokenize")(prompt).input_ids)}
+        n, limit, asked = len(prompt.get("prompt_token_ids", ())), self.model.max_model_len, self.params.max_tokens
+        if 0 < n < limit < n + asked:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{n + asked} tokens ({n} in the messages, {asked} in the completion). Please reduce "
+                                "the length of the messages or completion.", "max_tokens")
+        return prompt
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, newest output) as they come, over all prompts."""
