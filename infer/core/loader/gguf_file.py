@@ -23,6 +23,7 @@ import numpy as np
 
 from . import quant_gguf
 from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
+from .gguf_header import GGUFHeader
 
 # GGUF general.architecture -> (HF architecture, model_type)
 GGUF_ARCHITECTURES = {
@@ -73,16 +74,14 @@ class GGUFCheckpoint:
     format = "gguf"
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.path = path
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise CorruptCheckpointError(f"{path}: does not start with the GGUF magic bytes: not a GGUF file "
                                              f"(or a corrupt one); {_REFETCH}")
         try:
-            self.reader = GGUFReader(path)
-        except Exception as exc:  # gguf raises whatever NumPy does on a short file
+            self.reader = GGUFHeader(path)
+        except Exception as exc:  # a short or damaged header: whatever struct or NumPy raise
             raise CorruptCheckpointError(f"{path}: unreadable GGUF ({type(exc).__name__}: {exc}); the file is "
                                          f"probably truncated; {_REFETCH}") from exc
         size = path.stat().st_size
@@ -124,7 +123,7 @@ class GGUFCheckpoint:
                                          f".attention.head_count or .block_count; {_REFETCH}")
         hf_arch, model_type = GGUF_ARCHITECTURES[self.arch]
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._arch_field("vocab_size") or (len(tokens.data) if tokens else None)
+        vocab = self._arch_field("vocab_size") or (tokens.count if tokens else None)
         if vocab is None:
             vocab = int(self._gguf_tensors["token_embd.weight"].shape[-1])
         cfg: dict[str, Any] = {

@@ -1,0 +1,82 @@
+"""The lean GGUF header reader gives what gguf-py's own GGUFReader gives: every
+metadata value (arrays decoded on demand) and every tensor's type, shape,
+offset and data view."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from infer.core.loader.gguf_header import GGUFHeader
+
+
+def _same_as_gguf_reader(path) -> None:
+    ours, theirs = GGUFHeader(path), gguf.GGUFReader(path)
+    expected = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # its header pseudo-fields
+    assert list(ours.fields) == list(expected)
+    for key, field in expected.items():
+        want, got = field.contents(), ours.fields[key].contents()
+        assert got == want, key
+        if isinstance(want, list):
+            assert ours.fields[key].count == len(want)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.n_elements, a.n_bytes, a.data_offset) == \
+               (b.tensor_type, list(b.shape), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
+
+
+def test_every_value_type_and_tensor_type_reads_as_gguf_py_reads_it(tmp_path):
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -7)
+    w.add_uint16("t.u16", 65000)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -5)
+    w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "Ünïcödé 🙂")
+    w.add_array("t.ints", [1, 2, 3, 40000])
+    w.add_array("t.floats", [0.5, -1.5])
+    w.add_array("t.strs", ["a", "", "日本語"] * 50)
+    w.add_array("t.empty", [])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((4, 2)).astype(np.float16))
+    for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+        w.add_tensor(qtype.name, gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), qtype),
+                     raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(path)
+
+
+@pytest.mark.slow
+def test_smollm2_reads_as_gguf_py_reads_it():
+    from conftest import require_smollm2
+
+    require_smollm2()
+    from infer.core.loader import resolve_model_path
+
+    _same_as_gguf_reader(resolve_model_path("smollm2")[0])
+
+
+def test_a_truncated_header_is_an_error_not_a_crash(tmp_path):
+    path = tmp_path / "short.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strs", ["word"] * 100)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 50])
+    with pytest.raises(ValueError, match="truncated"):
+        GGUFHeader(path)
