@@ -211,8 +211,22 @@ class DenseWeight(WeightHandle):
 # Scales stay float32 whatever ``dtype`` is, so the stored weight is exact.
 
 
+class _QuantizedWeight(WeightHandle):
+    """A quantized handle whose ``qweight`` holds one row per output feature, one value per input."""
+
+    __slots__ = ()
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[1])
+
+
 @dataclass(slots=True)
-class Int4GroupWeight(WeightHandle):
+class Int4GroupWeight(_QuantizedWeight):
     """4-bit weight ``[N, K]`` in groups of ``group_size`` along K:
     ``w[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G]`` with q in 0..15.
 
@@ -234,16 +248,12 @@ class Int4GroupWeight(WeightHandle):
     prepared: Any = field(default=None, repr=False)
 
     @property
-    def out_features(self) -> int:
-        return int(self.qweight.shape[0])
-
-    @property
-    def in_features(self) -> int:
+    def in_features(self) -> int:  # two values per byte
         return 2 * int(self.qweight.shape[1])
 
 
 @dataclass(slots=True)
-class Int8GroupWeight(WeightHandle):
+class Int8GroupWeight(_QuantizedWeight):
     """8-bit weight ``[N, K]``: ``w[n, k] = q[n, k] * scales[n, k // G]`` (GGUF Q8_0: G = 32).
 
       qweight  [N, K] int8.   scales [N, K/G] float32.
@@ -257,17 +267,9 @@ class Int8GroupWeight(WeightHandle):
     dtype: str = "float32"
     prepared: Any = field(default=None, repr=False)
 
-    @property
-    def out_features(self) -> int:
-        return int(self.qweight.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        return int(self.qweight.shape[1])
-
 
 @dataclass(slots=True)
-class Fp8Weight(WeightHandle):
+class Fp8Weight(_QuantizedWeight):
     """fp8 e4m3 (the ``fn`` variant: max 448, no infinities) weight ``[N, K]``:
     ``w[n, k] = e4m3(qweight[n, k]) * scales[n]`` (per channel) or ``* scales[0]`` (per tensor).
 
@@ -282,14 +284,6 @@ class Fp8Weight(WeightHandle):
     bias: Any = None
     dtype: str = "float32"
     prepared: Any = field(default=None, repr=False)
-
-    @property
-    def out_features(self) -> int:
-        return int(self.qweight.shape[0])
-
-    @property
-    def in_features(self) -> int:
-        return int(self.qweight.shape[1])
 
 
 QUANTIZED_KINDS = (Int4GroupWeight.kind, Int8GroupWeight.kind, Fp8Weight.kind)

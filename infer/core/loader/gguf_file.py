@@ -223,11 +223,6 @@ class GGUFCheckpoint:
                 w = unpermute_rows(w, self.config["num_key_value_heads"])
         return w
 
-    @property
-    def quantized(self) -> bool:
-        """Whether any weight is stored in a block format `read_quantized` keeps (Q4_0, Q4_1, Q8_0)."""
-        return any(t.tensor_type.name in quant_gguf.BLOCK_BYTES for t in self._by_hf_name.values())
-
     def read_quantized(self, name: str):
         """One weight as a quantized handle (Q4_0, Q4_1, Q8_0 kept as stored,
         q/k rows unpermuted), or None for a tensor of another type: `read` it."""

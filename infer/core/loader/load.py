@@ -64,11 +64,6 @@ class LoadedModel:
         """(name, array) one weight at a time, so only one is in memory beyond what the caller keeps."""
         return stream_weights(self.checkpoint, self.dtype, progress)
 
-    @property
-    def quantized(self) -> bool:
-        """Whether the checkpoint stores weights quantized (GGUF blocks, AWQ, GPTQ, fp8)."""
-        return bool(getattr(self.checkpoint, "quantized", False))
-
     def lazy_weights(self, progress: bool | None = None, quantized: bool = False) -> LazyWeights:
         """The checkpoint's weights as a mapping that reads each one when asked.
 

@@ -86,11 +86,6 @@ class QuantizedHF:
         parts = {f"{base}.{p}" for base in self._quantized for p in _PARTS[self.method]}
         self.names = [n for n in ckpt.names if n not in parts] + [f"{b}.weight" for b in sorted(self._quantized)]
 
-    @property
-    def quantized(self) -> bool:
-        """Whether any weight is stored quantized."""
-        return bool(self._quantized)
-
     def __getattr__(self, attr: str) -> Any:  # format, path, config, tokenizer ...
         return getattr(self._ckpt, attr)
 
