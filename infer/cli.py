@@ -101,6 +101,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
         table.add_row(name, avail, info.plugin, _default_device(cls), str(cls.preferred_block_size),
                       cls.kv_cache_layout, ", ".join(cls.dtypes), cls.dist_backend, summary)
     console.print(table)
+    if "torch" in reg.backends:
+        from .backends.torch_native import native
+
+        console.print(f"torch CPU kernels (rms_norm, rotary, silu_and_mul, kv_write, small attention): "
+                      f"{escape(native.status())}")
     if args.coverage and matrix:
         cov_table = Table(title="primitive coverage (provider of each primitive)", title_justify="left")
         cov_table.add_column("primitive")

@@ -60,6 +60,7 @@ def test_backends_lists_every_backend_with_its_declarations(capsys):
     assert "infer.backends.cpu_ref" in out  # the plugin column
     assert "11 native" in out  # cpu_ref implements everything
     assert "[2, num_blocks, block_size, num_kv_heads, head_dim]" in out
+    assert "torch CPU kernels" in out and ("built (" in out or "unavailable:" in out or "off (" in out)
 
 
 def test_backends_explains_why_a_backend_is_unavailable(capsys):

@@ -1,6 +1,7 @@
 """The `torch` backend against independent computations: dense float64
 attention per request, transformers' rotary helpers, a loop-over-experts MoE,
-the contract's NumPy noise, and two real gloo processes for the collectives."""
+the contract's NumPy noise, and two real gloo processes for the collectives.
+Each test runs with the backend's native CPU kernels and with torch ops only."""
 
 from __future__ import annotations
 
@@ -18,11 +19,20 @@ import torch.nn.functional as F
 import infer.backends.torch_native.attention as attention_mod
 from infer.backends.cpu_ref.noise import gumbel_noise as reference_noise
 from infer.backends.torch_native import TorchBackend, noise, ranking, sampling
+from infer.backends.torch_native.native import ops as native_ops
 from infer.primitives.spec import CHECKS, PRIMITIVES
 from infer.primitives.types import AttentionMetadata, DenseWeight, SamplingTensors
 from infer.registry import Ops, get_backend
 
 BACKEND = TorchBackend()
+
+
+@pytest.fixture(autouse=True, params=["native", "torch_ops"])
+def kernels(request, monkeypatch):
+    """Every test twice: with the native CPU kernels (where they apply) and with torch ops only."""
+    if request.param == "torch_ops":
+        monkeypatch.setattr(native_ops, "library", lambda: None)
+    return request.param
 
 
 # -- attention -------------------------------------------------------------------

@@ -190,11 +190,12 @@ class ModelRunner:
             def run(env):
                 env[outs[0]] = fn(env[ins[0]], handle)
         elif kind == "split":
-            bounds = np.cumsum((0,) + tuple(a["sizes"]))
+            bounds = [int(b) for b in np.cumsum((0,) + tuple(a["sizes"]))]
+            pieces = tuple((o, slice(lo, hi)) for o, lo, hi in zip(outs, bounds[:-1], bounds[1:]))
             def run(env):
                 x = env[ins[0]]
-                for o, lo, hi in zip(outs, bounds[:-1], bounds[1:]):
-                    env[o] = x[:, int(lo):int(hi)]
+                for o, cols in pieces:
+                    env[o] = x[:, cols]
         elif kind == "reshape":
             shape = a["shape"]
             def run(env):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ...primitives.types import AttentionMetadata
 from . import fp8_kv
+from .native import ops as native
 
 # Gathered K+V per chunk of requests: past a few MiB the copies fall out of
 # cache, and on 2 cores a 32-request x 1k-context decode ran ~4x slower with
@@ -35,6 +36,8 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v = fp8_kv.quantize(k, k_scale), fp8_kv.quantize(v, v_scale)
     elif scales is not None:
         raise ValueError("kv_write: scales are for an fp8 cache; this cache is in the model dtype")
+    elif native.kv_write(k, v, kv_cache, slot_mapping):
+        return
     hk, d = kv_cache.shape[-2:]
     # A view, so index_copy_ lands in the caller's cache (reshape could copy).
     flat = kv_cache.view(2, -1, hk, d)
@@ -107,10 +110,13 @@ class AttentionPlan:
     # Per-step memo of the gathers and masks (filled by the first layer; the block table it was built for).
     memo: dict = field(default_factory=dict)
     memo_table: object = None
+    # Sum over requests of query rows x context length: what a one-row-at-a-time kernel reads (-1: unknown).
+    row_keys: int = -1
 
     def to(self, device) -> "AttentionPlan":
         rows = None if self.out_rows is None else self.out_rows.to(device)
-        return AttentionPlan([g.to(device) for g in self.groups], self.num_tokens, rows, self.direct)
+        return AttentionPlan([g.to(device) for g in self.groups], self.num_tokens, rows, self.direct,
+                             row_keys=self.row_keys)
 
 
 def _group(requests: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor) -> AttentionGroup:
@@ -149,7 +155,7 @@ def plan_attention(query_start_loc, seq_lens) -> AttentionPlan:
         requests = torch.nonzero(select).flatten()
         if requests.numel():
             groups.append(_group(requests, qsl[requests], q_lens[requests], seq[requests]))
-    plan = AttentionPlan(groups)
+    plan = AttentionPlan(groups, row_keys=int((q_lens * seq).sum()))
     if len(groups) == 1 and qsl.numel() and int(qsl[0]) == 0:
         g, n = groups[0], int(qsl[-1])
         if torch.equal(torch.sort(g.token_rows).values, torch.arange(n)):
@@ -334,6 +340,10 @@ def attention(
     plan = meta.backend_data
     if not isinstance(plan, AttentionPlan):
         plan = plan_attention(meta.query_start_loc, meta.seq_lens).to(q.device)
+    if kv_scales is None and soft_cap is None and plan.row_keys >= 0:
+        fast = native.attention(q, kv_cache, meta, scale, sliding_window, plan.row_keys * q.shape[1] * q.shape[2])
+        if fast is not None:
+            return fast
     if plan.memo_table is not meta.block_table:  # the memo is for one step's block table
         plan.memo.clear()
         plan.memo_table = meta.block_table

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .native import ops as native
+
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if ids.dtype not in (torch.int32, torch.int64):
@@ -26,6 +28,9 @@ FUSED_RMS_NORM_MAX_ROWS = 256
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    fast = native.rms_norm(x, weight, eps, residual)
+    if fast is not None:
+        return fast
     if residual is not None:
         # The sum is rounded to x's dtype: it is what the next layer adds to.
         x = x + residual
@@ -83,6 +88,9 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox_style: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    fast = native.rotary(q, k, positions, cos_sin_cache, neox_style)
+    if fast is not None:
+        return fast
     half = cos_sin_cache.shape[1] // 2
     cos_sin = cos_sin_cache.float().index_select(0, positions.long())[:, None, :]  # [T, 1, R]
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
@@ -109,6 +117,10 @@ def act_and_mul(x: torch.Tensor, kind: str) -> torch.Tensor:
         act = _ACTIVATIONS[kind]
     except KeyError:
         raise ValueError(f"act_and_mul: unknown activation {kind!r}; expected one of {tuple(_ACTIVATIONS)}") from None
+    if kind == "silu":
+        fast = native.silu_and_mul(x)
+        if fast is not None:
+            return fast
     half = x.shape[-1] // 2
     xf = x.float()
     return (act(xf[:, :half]) * xf[:, half:]).to(x.dtype)

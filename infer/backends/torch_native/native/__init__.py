@@ -1,0 +1,102 @@
+"""Native CPU kernels of the torch backend: `kernels.c`, compiled on first use.
+
+At decode sizes a torch op costs microseconds of dispatch whatever its work,
+and a primitive such as rms_norm-after-residual is five to ten of them; the
+kernels do each in one call. They are built with the system C compiler (``cc``,
+or ``$CC``) into ``$INFER_CACHE_DIR/native`` (default ``~/.cache/infer``),
+keyed by a hash of the source, the flags and the compiler, under a file lock
+so parallel test workers build once, and loaded with ctypes (which releases the
+GIL during each call).
+
+``INFER_NATIVE=0`` turns them off; so does a missing or failing compiler, in
+which case `status()` says why and the torch ops run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# -ffp-contract=off: products are rounded before they are summed, as in torch's unfused ops.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "infer_rms_norm": (_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _F),
+    "infer_rotary": (_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, _I),
+    "infer_silu_and_mul": (_P, _I, _P, _I, _I),
+    "infer_attention": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P),
+}
+_TYPED = ("f32", "bf16")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("INFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "infer")
+    return Path(root) / "native"
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "cc"))
+
+
+def _library_path() -> Path:
+    cc = _compiler()
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version, platform.machine())).encode())
+    return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # another process built it while this one waited
+            return
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            res = subprocess.run([*_compiler(), *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{res.stderr.strip()}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    if os.environ.get("INFER_NATIVE", "1") == "0":
+        return None, "off (INFER_NATIVE=0)"
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError, IndexError) as e:
+        return None, f"unavailable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    for name, args in _SIGNATURES.items():
+        for fn in (getattr(lib, f"{name}_{t}") for t in _TYPED):
+            fn.argtypes, fn.restype = args, ctypes.c_int
+    lib.infer_kv_write.argtypes = (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I)
+    lib.infer_kv_write.restype = ctypes.c_int
+    return lib, f"built ({path})"
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when they are off or could not be built."""
+    return _load()[0]
+
+
+def status() -> str:
+    """One line for `infer backends`: whether the kernels run, and why not."""
+    return _load()[1]

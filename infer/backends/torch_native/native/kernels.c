@@ -1,0 +1,262 @@
+/* Row-wise kernels of the torch backend on CPU, for small batches.
+ *
+ * At decode sizes a torch op costs a few microseconds of dispatch whatever its
+ * work, and one primitive is 5-10 ops; each function below does one primitive
+ * in one pass over memory. Built by native/__init__.py with -ffp-contract=off,
+ * so every product is rounded before it is added, as torch's unfused ops do.
+ *
+ * Element types: 0 = float32, 1 = bfloat16 (stored as uint16, widened to float32
+ * for arithmetic, rounded to nearest even once per stored value, as torch does).
+ * Strides are in elements. Functions that index memory with runtime values
+ * return -1 for an out-of-range index instead of reading or writing past an
+ * allocation; 0 on success.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef union {
+    uint32_t u;
+    int32_t i;
+    float f;
+} bits32;
+
+static inline float bf16_load(uint16_t b) {
+    bits32 v = {.u = (uint32_t)b << 16};
+    return v.f;
+}
+
+/* Round to nearest even; a NaN stays a (quiet) NaN. Branch-free, so loops vectorise. */
+static inline uint16_t bf16_store(float f) {
+    bits32 v = {.f = f};
+    uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    uint32_t nan = (v.u >> 16) | 0x40u;
+    return (uint16_t)((v.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+#define LANES 16
+
+/* exp(x) for float32 within 2 ulp over the range where it is finite and normal,
+ * in straight-line arithmetic gcc vectorises (libm's expf is a call per element):
+ * x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, as Cephes does), a degree-6
+ * polynomial for e^r, and 2^n put in the exponent bits. */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : x > 88.7f ? 88.7f : x; /* beyond: 0 and inf after the division in silu */
+    /* n = round-to-nearest(x / ln2): adding and subtracting 1.5 * 2^23 drops the fraction. */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    bits32 scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* Sum of a[i] * b[i] in LANES partial sums (vectorisable, fixed order). */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ---- rms_norm, optionally after a residual add --------------------------------
+ * res_out = x + res (rounded to the element type), y = res_out * rsqrt(mean(res_out^2) + eps) * w.
+ */
+#define DEF_RMS_NORM(SUF, T, LD, ST)                                                                        \
+    int infer_rms_norm_##SUF(const T *x, int64_t xs, const T *res, int64_t rs, const T *w, T *out,          \
+                             int64_t os, T *res_out, int64_t ros, int64_t rows, int64_t n, float eps) {     \
+        float stack[4096];                                                                                  \
+        float *t = n <= 4096 ? stack : (float *)malloc(sizeof(float) * n);                                  \
+        if (!t) return -2;                                                                                  \
+        for (int64_t r = 0; r < rows; r++) {                                                                \
+            const T *xr = x + r * xs;                                                                       \
+            if (res) {                                                                                      \
+                const T *rr = res + r * rs;                                                                 \
+                T *ro = res_out + r * ros;                                                                  \
+                for (int64_t i = 0; i < n; i++) {                                                           \
+                    T s = ST(LD(xr[i]) + LD(rr[i]));                                                        \
+                    ro[i] = s;                                                                              \
+                    t[i] = LD(s);                                                                           \
+                }                                                                                           \
+            } else {                                                                                        \
+                for (int64_t i = 0; i < n; i++) t[i] = LD(xr[i]);                                           \
+            }                                                                                               \
+            float inv = 1.0f / sqrtf(dot_f32(t, t, n) / (float)n + eps);                                    \
+            T *o = out + r * os;                                                                            \
+            for (int64_t i = 0; i < n; i++) o[i] = ST((t[i] * inv) * LD(w[i]));                             \
+        }                                                                                                   \
+        if (t != stack) free(t);                                                                            \
+        return 0;                                                                                           \
+    }
+
+/* ---- rotary ----------------------------------------------------------------------
+ * q [T, hq, d] and k [T, hk, d] (any row/head strides, unit inner stride) rotated
+ * into out [T, hq + hk, d] (contiguous). cos_sin [npos, rot] float32: rot/2 cos then
+ * rot/2 sin. Neox pairs (i, i + rot/2), gptj pairs (2i, 2i + 1); dims past rot are copied.
+ */
+#define DEF_ROTARY(SUF, T, LD, ST)                                                                          \
+    int infer_rotary_##SUF(const T *q, int64_t q_ts, int64_t q_hs, int64_t hq, const T *k, int64_t k_ts,   \
+                           int64_t k_hs, int64_t hk, const int64_t *pos, const float *cos_sin, int64_t npos, \
+                           int64_t rot, int neox, T *out, int64_t ntok, int64_t d) {                        \
+        int64_t half = rot / 2, heads = hq + hk;                                                            \
+        for (int64_t t = 0; t < ntok; t++) {                                                                \
+            int64_t p = pos[t];                                                                             \
+            if (p < 0 || p >= npos) return -1;                                                              \
+            const float *c = cos_sin + p * rot, *s = c + half;                                              \
+            for (int64_t h = 0; h < heads; h++) {                                                           \
+                const T *src = h < hq ? q + t * q_ts + h * q_hs : k + t * k_ts + (h - hq) * k_hs;           \
+                T *o = out + (t * heads + h) * d;                                                           \
+                if (neox) {                                                                                 \
+                    for (int64_t i = 0; i < half; i++) {                                                    \
+                        float x1 = LD(src[i]), x2 = LD(src[i + half]);                                      \
+                        float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];                   \
+                        o[i] = ST(a - b);                                                                   \
+                        o[i + half] = ST(e + f);                                                            \
+                    }                                                                                       \
+                } else {                                                                                    \
+                    for (int64_t i = 0; i < half; i++) {                                                    \
+                        float x1 = LD(src[2 * i]), x2 = LD(src[2 * i + 1]);                                 \
+                        float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];                   \
+                        o[2 * i] = ST(a - b);                                                               \
+                        o[2 * i + 1] = ST(e + f);                                                           \
+                    }                                                                                       \
+                }                                                                                           \
+                for (int64_t i = rot; i < d; i++) o[i] = src[i];                                            \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+
+/* ---- silu(x[:, :h]) * x[:, h:] ---------------------------------------------------- */
+#define DEF_SILU_AND_MUL(SUF, T, LD, ST)                                                                    \
+    int infer_silu_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) {                \
+        for (int64_t r = 0; r < rows; r++) {                                                                \
+            const T *g = x + r * xs, *u = g + h;                                                            \
+            T *o = out + r * h;                                                                             \
+            for (int64_t i = 0; i < h; i++) {                                                               \
+                float a = LD(g[i]);                                                                         \
+                o[i] = ST(a / (1.0f + exp_f32(-a)) * LD(u[i]));                                                \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+
+/* ---- kv_write: rows of k and v (hk * d contiguous values each) into their slots ------
+ * cache [2, nslots, hk * d]; slot -1 skips a (padded) row.
+ */
+int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, const int64_t *slots, int64_t ntok,
+                   char *cache, int64_t nslots, int64_t row, int64_t itemsize) {
+    int64_t bytes = row * itemsize;
+    char *vc = cache + nslots * bytes;
+    for (int64_t t = 0; t < ntok; t++) {
+        int64_t s = slots[t];
+        if (s < -1 || s >= nslots) return -1;
+    }
+    for (int64_t t = 0; t < ntok; t++) {
+        int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy(cache + s * bytes, k + t * k_ts * itemsize, bytes);
+        memcpy(vc + s * bytes, v + t * v_ts * itemsize, bytes);
+    }
+    return 0;
+}
+
+/* ---- paged attention over a mixed batch, one query row at a time ---------------------
+ * q [ntok, hq, d] (strides q_ts, q_hs); cache [2, nblocks, bs, hk, d]; request b owns rows
+ * qsl[b]..qsl[b+1]-1 and has seq_lens[b] tokens of context after this step; its i-th row
+ * sits at position seq_lens[b] - q_len + i and reads keys 0..pos (within `window` when > 0).
+ * out [ntok, hq, d] contiguous; rows no request owns are zeroed. Softmax in float32.
+ */
+#define DEF_ATTENTION(SUF, T, LD, ST)                                                                       \
+    int infer_attention_##SUF(const T *q, int64_t q_ts, int64_t q_hs, int64_t ntok, int64_t hq,            \
+                              const T *cache, int64_t nblocks, int64_t bs, int64_t hk, int64_t d,            \
+                              const int32_t *block_table, int64_t bt_stride, int64_t bt_width,               \
+                              const int32_t *qsl, const int32_t *seq_lens, int64_t nseq, float scale,        \
+                              int64_t window, T *out) {                                                     \
+        int64_t group = hq / hk, kv_row = hk * d;                                                           \
+        const T *vcache = cache + nblocks * bs * kv_row;                                                    \
+        int64_t max_len = 0;                                                                                \
+        for (int64_t b = 0; b < nseq; b++) {                                                                \
+            int64_t lo = qsl[b], hi = qsl[b + 1], len = seq_lens[b];                                        \
+            if (lo < 0 || hi < lo || hi > ntok || len < hi - lo || (len + bs - 1) / bs > bt_width) return -1; \
+            for (int64_t j = 0; j < (len + bs - 1) / bs; j++) {                                             \
+                int32_t blk = block_table[b * bt_stride + j];                                               \
+                if (blk < 0 || blk >= nblocks) return -1;                                                   \
+            }                                                                                               \
+            if (len > max_len) max_len = len;                                                               \
+        }                                                                                                   \
+        memset(out, 0, sizeof(T) * ntok * hq * d);                                                          \
+        float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));                       \
+        float *qf = (float *)malloc(sizeof(float) * d * 2), *kf = NULL;                                     \
+        float *acc = qf + d;                                                                                \
+        if (sizeof(T) != sizeof(float)) kf = (float *)malloc(sizeof(float) * d);                            \
+        if (!scores || !qf || (sizeof(T) != sizeof(float) && !kf)) {                                        \
+            free(scores); free(qf); free(kf);                                                               \
+            return -2;                                                                                      \
+        }                                                                                                   \
+        for (int64_t b = 0; b < nseq; b++) {                                                                \
+            int64_t lo = qsl[b], qlen = qsl[b + 1] - lo, len = seq_lens[b];                                 \
+            const int32_t *bt = block_table + b * bt_stride;                                                \
+            for (int64_t i = 0; i < qlen; i++) {                                                            \
+                int64_t qpos = len - qlen + i, start = 0, row = lo + i;                                     \
+                if (window > 0 && qpos - window + 1 > 0) start = qpos - window + 1;                         \
+                int64_t nkeys = qpos + 1 - start;                                                           \
+                for (int64_t h = 0; h < hq; h++) {                                                          \
+                    const T *qr = q + row * q_ts + h * q_hs;                                                \
+                    int64_t g = h / group;                                                                  \
+                    for (int64_t e = 0; e < d; e++) qf[e] = LD(qr[e]);                                      \
+                    float m = -INFINITY;                                                                    \
+                    for (int64_t p = 0; p < nkeys; p++) {                                                   \
+                        int64_t kp = start + p;                                                             \
+                        const T *kr = cache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;       \
+                        float sc;                                                                           \
+                        if (kf) {                                                                           \
+                            for (int64_t e = 0; e < d; e++) kf[e] = LD(kr[e]);                              \
+                            sc = dot_f32(qf, kf, d) * scale;                                                \
+                        } else {                                                                            \
+                            sc = dot_f32(qf, (const float *)kr, d) * scale;                                 \
+                        }                                                                                   \
+                        scores[p] = sc;                                                                     \
+                        if (sc > m) m = sc;                                                                 \
+                    }                                                                                       \
+                    float sum = 0.0f;                                                                       \
+                    for (int64_t e = 0; e < d; e++) acc[e] = 0.0f;                                          \
+                    for (int64_t p = 0; p < nkeys; p++) {                                                   \
+                        int64_t kp = start + p;                                                             \
+                        float wgt = expf(scores[p] - m);                                                    \
+                        sum += wgt;                                                                         \
+                        const T *vr = vcache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;      \
+                        for (int64_t e = 0; e < d; e++) acc[e] += wgt * LD(vr[e]);                          \
+                    }                                                                                       \
+                    T *o = out + (row * hq + h) * d;                                                        \
+                    float inv = 1.0f / sum;                                                                 \
+                    for (int64_t e = 0; e < d; e++) o[e] = ST(acc[e] * inv);                                \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        free(scores); free(qf); free(kf);                                                                   \
+        return 0;                                                                                           \
+    }
+
+DEF_RMS_NORM(f32, float, f32_load, f32_store)
+DEF_RMS_NORM(bf16, uint16_t, bf16_load, bf16_store)
+DEF_ROTARY(f32, float, f32_load, f32_store)
+DEF_ROTARY(bf16, uint16_t, bf16_load, bf16_store)
+DEF_SILU_AND_MUL(f32, float, f32_load, f32_store)
+DEF_SILU_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
+DEF_ATTENTION(f32, float, f32_load, f32_store)
+DEF_ATTENTION(bf16, uint16_t, bf16_load, bf16_store)

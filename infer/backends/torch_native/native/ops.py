@@ -1,0 +1,137 @@
+"""torch tensors in, torch tensors out: the native kernels behind the torch backend's primitives.
+
+Each function returns None when its kernel does not apply (kernels off, not a
+CPU tensor, a dtype other than float32/bfloat16, a layout it does not read, or
+more work than one thread should do while torch's ops would use every core);
+the caller then runs its torch ops. A kernel that finds an index out of range
+raises IndexError, as torch's indexing would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+# Up to these sizes one thread running a kernel beats torch's ops on all cores
+# (measured at SmolLM2's shapes on the 2-core CI machine, benchmarks/primitives.py).
+MAX_ROWS = 64
+MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
+
+
+def _lib(*tensors: torch.Tensor):
+    t0 = tensors[0]
+    if t0.device.type != "cpu" or t0.dtype not in _SUFFIX:
+        return None
+    if any(t.dtype != t0.dtype or t.device.type != "cpu" for t in tensors[1:]):
+        return None
+    return library()
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -1:
+        raise IndexError(f"{what}: an index is out of range")
+    if rc != 0:
+        raise MemoryError(f"{what}: the native kernel could not allocate its scratch")
+
+
+def _rows(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= MAX_ROWS
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    args = (x, weight) if residual is None else (x, weight, residual)
+    lib = _lib(*args)
+    if lib is None or not _rows(x) or not weight.is_contiguous() or weight.shape != x.shape[1:]:
+        return None
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        return None
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype)
+    fn = getattr(lib, f"infer_rms_norm_{_SUFFIX[x.dtype]}")
+    if residual is None:
+        _check(fn(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), n, None, 0, rows, n, eps),
+               "rms_norm")
+        return out
+    summed = torch.empty((rows, n), dtype=x.dtype)
+    _check(fn(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(), out.data_ptr(), n,
+              summed.data_ptr(), n, rows, n, eps), "rms_norm")
+    return out, summed
+
+
+def _heads(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.shape[0] <= MAX_ROWS
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox_style: bool):
+    lib = _lib(q, k)
+    if lib is None or not (_heads(q) and _heads(k)) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return None
+    rot = cos_sin_cache.shape[1]
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() or rot > q.shape[2] or rot % 2:
+        return None
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != q.shape[:1]:
+        return None
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    out = torch.empty((t, hq + hk, d), dtype=q.dtype)
+    fn = getattr(lib, f"infer_rotary_{_SUFFIX[q.dtype]}")
+    _check(fn(q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1), hk,
+              positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], rot, int(neox_style),
+              out.data_ptr(), t, d), "rotary: a position is outside the rope table")
+    return out[:, :hq], out[:, hq:]
+
+
+def silu_and_mul(x: torch.Tensor):
+    lib = _lib(x)
+    if lib is None or not _rows(x) or x.shape[1] % 2:
+        return None
+    rows, h = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, h), dtype=x.dtype)
+    _check(getattr(lib, f"infer_silu_and_mul_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), out.data_ptr(), rows, h),
+           "act_and_mul")
+    return out
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """True when written; False when the kernel does not apply."""
+    lib = _lib(k, v, kv_cache)
+    if lib is None or not (_heads(k) and _heads(v)) or not kv_cache.is_contiguous():
+        return False
+    t, hk, d = k.shape
+    if v.shape != k.shape or kv_cache.shape[-2:] != (hk, d) or kv_cache.shape[0] != 2:
+        return False
+    if k.stride(1) != d or v.stride(1) != d or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        return False
+    if slot_mapping.shape[0] != t:
+        raise ValueError(f"kv_write: slot_mapping has {slot_mapping.shape[0]} entries for {t} rows of k")
+    nslots = kv_cache[0].numel() // (hk * d)
+    _check(lib.infer_kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), t,
+                              kv_cache.data_ptr(), nslots, hk * d, kv_cache.element_size()),
+           "kv_write: a slot is outside the cache")
+    return True
+
+
+def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
+              work: int):
+    """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller plans it once a step)."""
+    lib = _lib(q, kv_cache)
+    if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
+        return None
+    t, hq, d = q.shape
+    _, nblocks, bs, hk, dk = kv_cache.shape
+    ints = (meta.block_table, meta.query_start_loc, meta.seq_lens)
+    if dk != d or hq % hk or any(x.dtype != torch.int32 or x.device.type != "cpu" for x in ints):
+        return None
+    bt = meta.block_table
+    if bt.dim() != 2 or bt.stride(1) != 1 or not meta.query_start_loc.is_contiguous() or not meta.seq_lens.is_contiguous():
+        return None
+    out = torch.empty((t, hq, d), dtype=q.dtype)
+    fn = getattr(lib, f"infer_attention_{_SUFFIX[q.dtype]}")
+    _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
+              bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+              meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr()),
+           "attention: the batch metadata points outside q, the block table or the cache")
+    return out

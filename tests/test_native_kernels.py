@@ -1,0 +1,226 @@
+"""The torch backend's native CPU kernels (`torch_native/native`) against its torch ops.
+
+Every kernel is compared with the torch-op path it replaces, on layouts the
+model runner produces (q/k/v as column views of one qkv row, rows of a wider
+buffer), in float32 and bfloat16. Rotary and kv_write are exact (same
+arithmetic, products rounded before sums); reductions may differ in their
+summation order, so rms_norm, silu and attention are held to float32 rounding
+(bfloat16: one unit in the last place). The attention kernel is also checked
+against float64 dense attention in test_torch_backend.py, which runs each test
+with and without these kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from infer.backends.torch_native import TorchBackend, native, ops
+from infer.backends.torch_native import attention as attention_mod
+from infer.backends.torch_native.native import ops as nops
+
+from test_torch_backend import BATCHES, dense_attention, paged_batch
+
+BACKEND = TorchBackend()
+DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels {native.status()}")
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """Run `fn` with the native kernels off (the torch-op path)."""
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(nops, "library", lambda: None)
+            return fn(*args, **kwargs)
+    return run
+
+
+def _close(got, want, dtype):
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+def _qkv(t, hq, hk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q, k, v = qkv.split((hq * d, hk * d, hk * d), 1)
+    return qkv, q.reshape(-1, hq, d), k.reshape(-1, hk, d), v.reshape(-1, hk, d)
+
+
+def test_the_kernels_are_built_and_cached():
+    assert native.status().startswith("built (")
+    path = native._library_path()
+    assert path.exists() and path.parent == native.cache_dir()
+    native._build(path)  # already there: nothing is rebuilt
+    assert path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rms_norm_matches_the_torch_ops(torch_ops, dtype, residual, rows):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 700, generator=g).to(dtype)
+    x = wide[:, 50:626]  # rows of a wider buffer
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    r = torch.randn(rows, 576, generator=g).to(dtype) if residual else None
+    got, want = ops.rms_norm(x, w, 1e-5, r), torch_ops(ops.rms_norm, x, w, 1e-5, r)
+    if residual:
+        assert torch.equal(got[1], want[1])  # the residual stream itself is exact
+        got, want = got[0], want[0]
+    assert got.dtype == dtype and got.shape == (rows, 576)
+    _close(got, want, dtype)
+
+
+def test_rms_norm_past_the_row_limit_uses_the_torch_ops(monkeypatch):
+    x, w = torch.randn(nops.MAX_ROWS + 1, 64), torch.ones(64)
+    assert nops.rms_norm(x, w, 1e-6) is None
+    assert nops.rms_norm(x[:3], w, 1e-6) is not None
+    assert nops.rms_norm(x[:3].double(), w.double(), 1e-6) is None  # float64: not a kernel dtype
+    assert nops.rms_norm(x[:3], w.bfloat16(), 1e-6) is None  # mixed dtypes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rot", [64, 32])
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_rotary_is_exactly_the_torch_ops(torch_ops, dtype, neox, rot, adjacent):
+    _, q, k, _ = _qkv(5, 6, 2, 64, dtype)
+    if not adjacent:
+        q, k = q.clone(), k.clone()
+    table = torch.randn(100, rot)
+    positions = torch.tensor([0, 3, 99, 7, 42])
+    got = ops.rotary(q, k, positions, table, neox)
+    want = torch_ops(ops.rotary, q, k, positions, table, neox)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_rotary_position_outside_the_table_raises():
+    _, q, k, _ = _qkv(2, 2, 1, 16, torch.float32)
+    with pytest.raises(IndexError, match="position"):
+        ops.rotary(q, k, torch.tensor([1, 100]), torch.randn(100, 16), True)
+    with pytest.raises(IndexError):
+        ops.rotary(q, k, torch.tensor([-1, 0]), torch.randn(100, 16), True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_silu_and_mul_matches_the_torch_ops(torch_ops, dtype, rows):
+    x = (torch.randn(rows, 2 * 1536) * 6).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating and zero inputs
+    _close(ops.act_and_mul(x, "silu"), torch_ops(ops.act_and_mul, x, "silu"), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_is_exactly_the_torch_ops_and_skips_padded_rows(torch_ops, dtype):
+    _, _, k, v = _qkv(6, 4, 2, 32, dtype)
+    slots = torch.tensor([5, -1, 17, 0, -1, 63])
+    got = BACKEND.allocate_kv_cache(4, 16, 2, 32, str(dtype).removeprefix("torch."))
+    want = got.clone()
+    attention_mod.kv_write(k, v, got, slots)
+    torch_ops(attention_mod.kv_write, k, v, want, slots)
+    assert torch.equal(got, want)
+    flat = got.view(2, -1, 2, 32)
+    assert torch.equal(flat[0, 17], k[2]) and torch.equal(flat[1, 63], v[5])
+    assert int(torch.count_nonzero(flat.abs().sum((2, 3)))) == 8  # 4 slots written, twice (k and v)
+
+
+def test_kv_write_slot_outside_the_cache_raises_and_writes_nothing():
+    _, _, k, v = _qkv(2, 2, 1, 8, torch.float32)
+    cache = BACKEND.allocate_kv_cache(2, 4, 1, 8, "float32")
+    with pytest.raises(IndexError, match="slot"):
+        attention_mod.kv_write(k, v, cache, torch.tensor([1, 8]))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_matches_the_torch_ops_and_dense_attention(torch_ops, batch, window, dtype):
+    q_lens, seq_lens = BATCHES[batch]
+    q, cache, meta, dense = paged_batch(q_lens, seq_lens, 3, 16, 4, dtype=dtype)
+    meta = BACKEND.prepare_metadata(meta)
+    got = BACKEND.attention(q, cache, meta, 0.25, window)
+    want = torch_ops(BACKEND.attention, q, cache, meta, 0.25, window)
+    exact = dense_attention(q, dense, q_lens, 0.25, window)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        _close(got, want, dtype)
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+    else:
+        # bfloat16 outputs: both paths within a rounding of the float64 result (the
+        # torch ops round probabilities to bfloat16 before P @ V; the kernel does not).
+        err = (got.double() - exact).abs().max()
+        assert err <= 2**-8 * exact.abs().max()
+        assert err <= (want.double() - exact).abs().max() + 2**-9
+
+
+def test_attention_rows_past_the_batch_are_zero():
+    q, cache, meta, _ = paged_batch([1, 1], [4, 9], 1, 8, 4)
+    q = torch.cat([q, torch.randn(3, *q.shape[1:])])  # padded rows no request owns
+    meta = BACKEND.prepare_metadata(meta)
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((3,), -1)])
+    out = nops.attention(q, cache, meta, 0.5, None, work=1)
+    assert out is not None and not out[2:].any() and out[:2].abs().sum() > 0
+
+
+def test_attention_with_more_work_than_the_limit_uses_the_torch_ops(monkeypatch):
+    q, cache, meta, _ = paged_batch([1, 1], [40, 9], 1, 8, 4)
+    meta = BACKEND.prepare_metadata(meta)
+    assert meta.backend_data.row_keys == 49
+    assert nops.attention(q, cache, meta, 0.5, None, work=nops.MAX_ATTENTION_WORK + 1) is None
+    calls = []
+    monkeypatch.setattr(nops, "attention", lambda *a, **k: calls.append(1))  # returns None: the torch ops run
+    out = BACKEND.attention(q, cache, meta, 0.5)
+    assert calls == [1] and out.shape == q.shape
+
+
+def test_attention_block_id_outside_the_cache_raises():
+    q, cache, meta, _ = paged_batch([1], [6], 1, 8, 4)
+    meta = BACKEND.prepare_metadata(meta)
+    meta.block_table[0, 1] = cache.shape[1]
+    with pytest.raises(IndexError, match="block table"):
+        BACKEND.attention(q, cache, meta, 0.5)
+
+
+def test_fp8_cache_and_soft_cap_stay_on_the_torch_ops():
+    q, cache, meta, _ = paged_batch([1], [6], 1, 8, 4)
+    meta = BACKEND.prepare_metadata(meta)
+    assert nops.attention(q, cache.to(torch.uint8), meta, 0.5, None, work=1) is None
+    assert nops.kv_write(q[:, :1], q[:, :1], cache.to(torch.uint8), torch.tensor([0])) is False
+
+
+def _status_in_subprocess(env: dict) -> str:
+    code = "from infer.backends.torch_native import native; print(native.status())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+                         check=True)
+    return res.stdout.strip()
+
+
+def test_infer_native_0_turns_them_off():
+    assert _status_in_subprocess({"INFER_NATIVE": "0"}) == "off (INFER_NATIVE=0)"
+
+
+def test_a_failing_compiler_leaves_the_torch_ops(tmp_path):
+    status = _status_in_subprocess({"CC": "false", "INFER_CACHE_DIR": str(tmp_path)})
+    assert status.startswith("unavailable:")
+    code = ("import torch; from infer.backends.torch_native import ops; "
+            "print(ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6).sum().item())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "CC": "false", "INFER_CACHE_DIR": str(tmp_path)})
+    assert float(res.stdout) == pytest.approx(8.0, rel=1e-5)
+
+
+def test_a_fresh_cache_directory_builds_the_library(tmp_path):
+    assert _status_in_subprocess({"INFER_CACHE_DIR": str(tmp_path)}).startswith(f"built ({tmp_path}")
+    assert len(list((tmp_path / "native").glob("kernels-*.so"))) == 1
