@@ -3,6 +3,7 @@
     python benchmarks/quant.py                  # both parts
     python benchmarks/quant.py --part linear    # per-T timings of each path at SmolLM2's shapes
     python benchmarks/quant.py --part decode --tokens 64 --json out.json
+    python benchmarks/quant.py --part kv        # fp8 vs 16-bit KV cache on the same bytes
 
 ``linear``: for each SmolLM2 projection shape and T in 1/4/32/256, the median
 time of each way the torch backend can run it (fp32 dense, torch's int4
@@ -11,8 +12,10 @@ int8 kernel, bf16 dense), all in one process, so ratios hold on a loaded
 machine. ``decode``: single-stream greedy decode of the SmolLM2 Q4_1 GGUF,
 each configuration in its own process (so its peak RSS is its own): kept
 quantized (fp32 and bf16 activations) vs dequantized (fp32, bf16). Peak RSS
-is set beside the GGUF file size. The CPU load average is printed with each
-part; rerun when it is well above 0.
+is set beside the GGUF file size. ``kv``: the kept-quantized bf16 model with a
+16-bit and an fp8 KV cache on the same bytes: tokens each holds, throughput of
+a 16-request batch, greedy agreement. The CPU load average is printed with
+each part; rerun when it is well above 0.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 import time
 
 import numpy as np
+
+import infer  # noqa: F401  (before torch: its OpenMP settings, see infer/__init__.py)
 import torch
 
 H, I, V = 576, 1536, 49152
@@ -118,6 +123,51 @@ def decode_one(quantization: str, dtype: str, tokens: int) -> dict:
             "text": out[0].outputs[0].text[:60]}
 
 
+def kv_one(kv_cache_dtype: str, requests: int, tokens: int) -> dict:
+    """Runs in a child process: a batch of `requests` greedy completions on one KV budget."""
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+
+    llm = LLM("smollm2", backend="torch", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_num_seqs=requests,
+              kv_cache_memory=KV_BUDGET, show_progress=False)
+    capacity = llm.engine.scheduler.block_manager.num_blocks * llm.engine.scheduler.block_manager.block_size
+    prompts = [f"Question {i}: explain in detail how a printing press works." for i in range(requests)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    total = time.perf_counter() - t
+    return {"kv_cache_dtype": kv_cache_dtype, "kv_tokens": capacity, "requests": requests,
+            "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / total,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+KV_BUDGET = 24 << 20  # bytes of KV cache, all layers
+
+
+def kv_table(requests: int, tokens: int) -> list[dict]:
+    """bf16 16-bit cache vs fp8 cache on the same bytes: token capacity, batch throughput, greedy agreement."""
+    rows = []
+    for kv_dtype in ("auto", "fp8"):
+        code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
+               f"print(json.dumps(quant.kv_one({kv_dtype!r}, {requests}, {tokens})))"
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if res.returncode:
+            print(f"kv {kv_dtype}: failed\n{res.stderr[-2000:]}")
+            return rows
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    base = rows[0]
+    for r in rows:
+        same = [sum(a == b for a, b in zip(x, y)) / max(1, len(y)) for x, y in zip(r["tokens"], base["tokens"])]
+        r["greedy_agreement"] = sum(same) / len(same)
+        print(f"kv cache {r['kv_cache_dtype']:5s} on {KV_BUDGET >> 20} MiB: {r['kv_tokens']:6d} tokens "
+              f"({r['kv_tokens'] / base['kv_tokens']:.2f}x)  {r['requests']} x {tokens} tokens at "
+              f"{r['output_tok_s']:6.1f} tok/s ({r['output_tok_s'] / base['output_tok_s']:.2f}x)  "
+              f"greedy tokens equal to the 16-bit cache's: {r['greedy_agreement']:.1%}", flush=True)
+        del r["tokens"]
+    return rows
+
+
 def decode_table(tokens: int) -> list[dict]:
     from infer.core.loader import resolve_model_path
 
@@ -174,7 +224,7 @@ def llama_cpp_row(python: str, tokens: int) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("linear", "decode", "all"), default="all")
+    ap.add_argument("--part", choices=("linear", "decode", "kv", "all"), default="all")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run")
     ap.add_argument("--T", default="1,4,32,256", help="row counts for the linear part")
     ap.add_argument("--json", help="write every row here")
@@ -193,6 +243,9 @@ def main() -> None:
         out["decode"] = decode_table(a.tokens)
         if a.llama_python and (row := llama_cpp_row(a.llama_python, a.tokens)):
             out["decode"].append(row)
+    if a.part in ("kv", "all"):
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        out["kv"] = kv_table(16, a.tokens)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

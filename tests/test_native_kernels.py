@@ -193,11 +193,13 @@ def test_attention_block_id_outside_the_cache_raises():
         BACKEND.attention(q, cache, meta, 0.5)
 
 
-def test_fp8_cache_and_soft_cap_stay_on_the_torch_ops():
+def test_an_fp8_cache_without_scales_and_a_soft_cap_stay_on_the_torch_ops(monkeypatch):
     q, cache, meta, _ = paged_batch([1], [6], 1, 8, 4)
     meta = BACKEND.prepare_metadata(meta)
     assert nops.attention(q, cache.to(torch.uint8), meta, 0.5, None, work=1) is None
     assert nops.kv_write(q[:, :1], q[:, :1], cache.to(torch.uint8), torch.tensor([0])) is False
+    monkeypatch.setattr(nops, "attention", lambda *a, **k: pytest.fail("soft-capped attention reached the kernel"))
+    BACKEND.attention(q, cache, meta, 0.5, soft_cap=5.0)
 
 
 def _status_in_subprocess(env: dict) -> str:
@@ -224,3 +226,72 @@ def test_a_failing_compiler_leaves_the_torch_ops(tmp_path):
 def test_a_fresh_cache_directory_builds_the_library(tmp_path):
     assert _status_in_subprocess({"INFER_CACHE_DIR": str(tmp_path)}).startswith(f"built ({tmp_path}")
     assert len(list((tmp_path / "native").glob("kernels-*.so"))) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split", [False, True])
+def test_int8_gemv_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, split):
+    g = torch.Generator().manual_seed(rows)
+    n, k, group = 300, 96, 32
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) / 64
+    x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, 8:]  # rows of a wider buffer
+    if split:  # parts on worker threads, each its own range of output rows
+        monkeypatch.setattr(nops, "SPLIT_MIN_VALUES", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    got = nops.int8_gemv(x, q, scales, group)
+    want = x.double() @ (q.double() * scales.double().repeat_interleave(group, 1)).t()
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_gemv_declines_what_it_does_not_read():
+    q, s = torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2)
+    assert nops.int8_gemv(torch.ones(nops.INT8_GEMV_MAX_ROWS + 1, 64), q, s, 32) is None
+    assert nops.int8_gemv(torch.ones(1, 64), q, s, 8) is None  # groups of 8: not a multiple of 16
+    assert nops.int8_gemv(torch.ones(1, 64, dtype=torch.float16), q, s, 32) is None
+    assert nops.int8_gemv(torch.ones(1, 64), q, s, 32) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
+def test_fp8_kv_write_gives_the_codes_torchs_cast_gives(torch_ops, dtype, scales):
+    g = torch.Generator().manual_seed(7)
+    t, hk, d = 40, 2, 32
+    # magnitudes from e4m3's subnormals (2^-9) past its largest value (448, saturated)
+    mags = torch.exp2(torch.empty(2, t, hk, d).uniform_(-12, 10, generator=g))
+    kv = (mags * torch.randn(2, t, hk, d, generator=g).sign()).to(dtype)
+    kv[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 448.0, -1e6])
+    slots = torch.arange(t) * 2  # every other slot
+    slots[3] = -1
+    got = BACKEND.allocate_kv_cache(6, 16, hk, d, "fp8")
+    want = got.clone()
+    attention_mod.kv_write(kv[0], kv[1], got, slots, scales)
+    torch_ops(attention_mod.kv_write, kv[0], kv[1], want, slots, scales)
+    assert torch.equal(got, want)
+    assert got.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_fp8_attention_matches_the_torch_ops(torch_ops, dtype, batch):
+    q_lens, seq_lens = BATCHES[batch]
+    q, cache, meta, _ = paged_batch(q_lens, seq_lens, 3, 16, 4, dtype=dtype)
+    fp8 = BACKEND.allocate_kv_cache(cache.shape[1], 4, 3, 16, "fp8")
+    flat = cache.view(2, -1, 3, 16)
+    everything = torch.arange(flat.shape[1])
+    torch_ops(attention_mod.kv_write, flat[0], flat[1], fp8, everything, (0.5, 0.25))  # the same codes for both
+    meta = BACKEND.prepare_metadata(meta)
+    got = BACKEND.attention(q, fp8, meta, 0.25, kv_scales=(0.5, 0.25))
+    want = torch_ops(BACKEND.attention, q, fp8, meta, 0.25, kv_scales=(0.5, 0.25))
+    if dtype == torch.float32:
+        _close(got, want, dtype)
+    else:  # the torch ops round probabilities to bfloat16 before P @ V; the kernel does not
+        torch.testing.assert_close(got.float(), want.float(), atol=2**-7 * want.abs().max().item(), rtol=0)
+
+
+def test_scales_for_a_model_dtype_cache_are_refused():
+    _, _, k, v = _qkv(1, 2, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="fp8"):
+        attention_mod.kv_write(k, v, BACKEND.allocate_kv_cache(1, 4, 1, 8, "float32"), torch.tensor([0]), (1.0, 1.0))

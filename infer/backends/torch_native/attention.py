@@ -31,13 +31,14 @@ _SCORE_CHUNK = 1 << 22
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scales=None) -> None:
-    if kv_cache.dtype == torch.uint8:  # an fp8 cache holds e4m3 codes of k / k_scale, v / v_scale
-        k_scale, v_scale = scales if scales is not None else (1.0, 1.0)
-        k, v = fp8_kv.quantize(k, k_scale), fp8_kv.quantize(v, v_scale)
-    elif scales is not None:
+    fp8 = kv_cache.dtype == torch.uint8  # an fp8 cache holds e4m3 codes of k / k_scale, v / v_scale
+    if scales is not None and not fp8:
         raise ValueError("kv_write: scales are for an fp8 cache; this cache is in the model dtype")
-    elif native.kv_write(k, v, kv_cache, slot_mapping):
+    scales = (scales if scales is not None else (1.0, 1.0)) if fp8 else None
+    if native.kv_write(k, v, kv_cache, slot_mapping, scales):
         return
+    if fp8:
+        k, v = fp8_kv.quantize(k, scales[0]), fp8_kv.quantize(v, scales[1])
     hk, d = kv_cache.shape[-2:]
     # A view, so index_copy_ lands in the caller's cache (reshape could copy).
     flat = kv_cache.view(2, -1, hk, d)
@@ -340,8 +341,9 @@ def attention(
     plan = meta.backend_data
     if not isinstance(plan, AttentionPlan):
         plan = plan_attention(meta.query_start_loc, meta.seq_lens).to(q.device)
-    if kv_scales is None and soft_cap is None and plan.row_keys >= 0:
-        fast = native.attention(q, kv_cache, meta, scale, sliding_window, plan.row_keys * q.shape[1] * q.shape[2])
+    if soft_cap is None and plan.row_keys >= 0:
+        fast = native.attention(q, kv_cache, meta, scale, sliding_window, plan.row_keys * q.shape[1] * q.shape[2],
+                                (1.0, 1.0) if kv_scales is None else kv_scales)
         if fast is not None:
             return fast
     if plan.memo_table is not meta.block_table:  # the memo is for one step's block table

@@ -35,6 +35,7 @@ import torch
 from ...primitives.types import DenseWeight, Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 from . import linear as dense
 from . import ops
+from .native import ops as native
 
 # Half-precision rows up to which the packed kernels beat dequantize-in-tiles.
 INT4_KERNEL_MAX_ROWS = 32
@@ -73,11 +74,18 @@ def prepare_weight(w: WeightHandle) -> WeightHandle:
         zeros = w.offsets + 8 * w.scales
         sz = torch.stack((w.scales, zeros), -1).transpose(0, 1).contiguous().to(dtype)
         return _replace(w, Int4Packed(packed, sz))
-    if isinstance(w, Int8GroupWeight) and dtype in _HALF and w.in_features % w.group_size == 0:
+    if isinstance(w, Int8GroupWeight) and dtype in _HALF and w.in_features % w.group_size == 0 \
+            and not _native_int8(w):
         n, k, g = w.out_features, w.in_features, w.group_size
         q = w.qweight.view(n, k // g, g).transpose(0, 1).contiguous()
         return _replace(w, Int8Grouped(q, w.scales.t().contiguous().to(dtype)))
     return w
+
+
+def _native_int8(w: Int8GroupWeight) -> bool:
+    """The native GEMV reads the weight as stored: no per-group copy is made for torch's kernel."""
+    return (native.library() is not None and w.qweight.dtype == torch.int8 and w.scales.dtype == torch.float32
+            and w.group_size % 16 == 0)
 
 
 def _replace(w: WeightHandle, prepared) -> WeightHandle:
@@ -137,6 +145,10 @@ def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     if isinstance(p, Int4Packed) and t <= INT4_KERNEL_MAX_ROWS and x.dtype == p.scale_and_zeros.dtype:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), p.packed, w.group_size, p.scale_and_zeros)
         return y if w.bias is None else y + w.bias.to(x.dtype)
+    if isinstance(w, Int8GroupWeight) and t <= native.INT8_GEMV_MAX_ROWS:
+        y = native.int8_gemv(x, w.qweight, w.scales, w.group_size)
+        if y is not None:
+            return (y if w.bias is None else y + w.bias.float()).to(x.dtype)
     if isinstance(p, Int8Grouped) and t <= INT8_GROUP_KERNEL_MAX_ROWS and x.dtype == p.scales.dtype:
         return _int8_grouped(x.contiguous(), w, p)
     return _linear_in_tiles(x, w)

@@ -175,20 +175,71 @@ int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, con
     return 0;
 }
 
+/* ---- fp8 (e4m3fn) KV cache codes --------------------------------------------------------
+ * Encoding matches torch's float32 -> float8_e4m3fn cast of a value clamped to +-448 (round to
+ * nearest even, subnormals down to 2^-9); decoding is a table of the 256 code values.
+ */
+static float e4m3_table[256];
+
+__attribute__((constructor)) static void e4m3_init(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 15 && m == 7 ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+        e4m3_table[c] = c & 128 ? -v : v;
+    }
+}
+
+static inline uint8_t e4m3_encode(float x) {
+    bits32 v = {.f = x};
+    uint32_t sign = (v.u >> 24) & 128u, mag = v.u & 0x7fffffffu;
+    if (mag > 0x7f800000u) return 0x7f; /* NaN */
+    bits32 a = {.u = mag};
+    if (a.f > 448.0f) a.f = 448.0f;
+    uint32_t code;
+    if (a.f < 0.015625f) { /* below 2^-6: multiples of 2^-9, rounded to nearest even */
+        float m = (a.f * 512.0f + 8388608.0f) - 8388608.0f;
+        code = (uint32_t)m;
+    } else { /* drop 20 of float32's 23 mantissa bits, to nearest even, and rebias 127 -> 7 */
+        uint32_t r = a.u + 0x7ffffu + ((a.u >> 20) & 1u);
+        code = (r >> 20) - ((127u - 7u) << 3);
+    }
+    return (uint8_t)(sign | code);
+}
+
+/* kv_write into an fp8 cache: codes of k / k_scale and v / v_scale (division in float32). */
+#define DEF_KV_WRITE_FP8(SUF, T, LD)                                                                        \
+    int infer_kv_write_fp8_##SUF(const T *k, int64_t k_ts, const T *v, int64_t v_ts, const int64_t *slots, \
+                                 int64_t ntok, uint8_t *cache, int64_t nslots, int64_t row, float k_scale,  \
+                                 float v_scale) {                                                           \
+        for (int64_t t = 0; t < ntok; t++)                                                                  \
+            if (slots[t] < -1 || slots[t] >= nslots) return -1;                                             \
+        uint8_t *vc = cache + nslots * row;                                                                 \
+        for (int64_t t = 0; t < ntok; t++) {                                                                \
+            int64_t s = slots[t];                                                                           \
+            if (s < 0) continue;                                                                            \
+            for (int64_t i = 0; i < row; i++) {                                                             \
+                cache[s * row + i] = e4m3_encode(LD(k[t * k_ts + i]) / k_scale);                            \
+                vc[s * row + i] = e4m3_encode(LD(v[t * v_ts + i]) / v_scale);                               \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+
 /* ---- paged attention over a mixed batch, one query row at a time ---------------------
- * q [ntok, hq, d] (strides q_ts, q_hs); cache [2, nblocks, bs, hk, d]; request b owns rows
+ * q [ntok, hq, d] (strides q_ts, q_hs); cache [2, nblocks, bs, hk, d] of C; request b owns rows
  * qsl[b]..qsl[b+1]-1 and has seq_lens[b] tokens of context after this step; its i-th row
  * sits at position seq_lens[b] - q_len + i and reads keys 0..pos (within `window` when > 0).
  * out [ntok, hq, d] contiguous; rows no request owns are zeroed. Softmax in float32.
+ * KLD(c, scale) is a cached value as the model dtype holds it (fp8: code * scale, rounded).
  */
-#define DEF_ATTENTION(SUF, T, LD, ST)                                                                       \
-    int infer_attention_##SUF(const T *q, int64_t q_ts, int64_t q_hs, int64_t ntok, int64_t hq,            \
-                              const T *cache, int64_t nblocks, int64_t bs, int64_t hk, int64_t d,            \
-                              const int32_t *block_table, int64_t bt_stride, int64_t bt_width,               \
-                              const int32_t *qsl, const int32_t *seq_lens, int64_t nseq, float scale,        \
-                              int64_t window, T *out) {                                                     \
+#define DEF_ATTENTION(NAME, T, LD, ST, C, KLD)                                                              \
+    int infer_attention_##NAME(const T *q, int64_t q_ts, int64_t q_hs, int64_t ntok, int64_t hq,           \
+                               const C *cache, int64_t nblocks, int64_t bs, int64_t hk, int64_t d,           \
+                               const int32_t *block_table, int64_t bt_stride, int64_t bt_width,              \
+                               const int32_t *qsl, const int32_t *seq_lens, int64_t nseq, float scale,       \
+                               int64_t window, T *out, float k_scale, float v_scale) {                      \
         int64_t group = hq / hk, kv_row = hk * d;                                                           \
-        const T *vcache = cache + nblocks * bs * kv_row;                                                    \
+        const C *vcache = cache + nblocks * bs * kv_row;                                                    \
         int64_t max_len = 0;                                                                                \
         for (int64_t b = 0; b < nseq; b++) {                                                                \
             int64_t lo = qsl[b], hi = qsl[b + 1], len = seq_lens[b];                                        \
@@ -201,13 +252,12 @@ int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, con
         }                                                                                                   \
         memset(out, 0, sizeof(T) * ntok * hq * d);                                                          \
         float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));                       \
-        float *qf = (float *)malloc(sizeof(float) * d * 2), *kf = NULL;                                     \
-        float *acc = qf + d;                                                                                \
-        if (sizeof(T) != sizeof(float)) kf = (float *)malloc(sizeof(float) * d);                            \
-        if (!scores || !qf || (sizeof(T) != sizeof(float) && !kf)) {                                        \
-            free(scores); free(qf); free(kf);                                                               \
+        float *qf = (float *)malloc(sizeof(float) * d * 3);                                                 \
+        if (!scores || !qf) {                                                                               \
+            free(scores); free(qf);                                                                         \
             return -2;                                                                                      \
         }                                                                                                   \
+        float *acc = qf + d, *kf = qf + 2 * d;                                                              \
         for (int64_t b = 0; b < nseq; b++) {                                                                \
             int64_t lo = qsl[b], qlen = qsl[b + 1] - lo, len = seq_lens[b];                                 \
             const int32_t *bt = block_table + b * bt_stride;                                                \
@@ -222,14 +272,15 @@ int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, con
                     float m = -INFINITY;                                                                    \
                     for (int64_t p = 0; p < nkeys; p++) {                                                   \
                         int64_t kp = start + p;                                                             \
-                        const T *kr = cache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;       \
-                        float sc;                                                                           \
-                        if (kf) {                                                                           \
-                            for (int64_t e = 0; e < d; e++) kf[e] = LD(kr[e]);                              \
-                            sc = dot_f32(qf, kf, d) * scale;                                                \
+                        const C *kr = cache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;       \
+                        const float *kv;                                                                    \
+                        if (sizeof(C) == sizeof(float)) {                                                   \
+                            kv = (const float *)kr;                                                         \
                         } else {                                                                            \
-                            sc = dot_f32(qf, (const float *)kr, d) * scale;                                 \
+                            for (int64_t e = 0; e < d; e++) kf[e] = KLD(kr[e], k_scale);                    \
+                            kv = kf;                                                                        \
                         }                                                                                   \
+                        float sc = dot_f32(qf, kv, d) * scale;                                              \
                         scores[p] = sc;                                                                     \
                         if (sc > m) m = sc;                                                                 \
                     }                                                                                       \
@@ -239,8 +290,8 @@ int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, con
                         int64_t kp = start + p;                                                             \
                         float wgt = expf(scores[p] - m);                                                    \
                         sum += wgt;                                                                         \
-                        const T *vr = vcache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;      \
-                        for (int64_t e = 0; e < d; e++) acc[e] += wgt * LD(vr[e]);                          \
+                        const C *vr = vcache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;      \
+                        for (int64_t e = 0; e < d; e++) acc[e] += wgt * KLD(vr[e], v_scale);                \
                     }                                                                                       \
                     T *o = out + (row * hq + h) * d;                                                        \
                     float inv = 1.0f / sum;                                                                 \
@@ -248,15 +299,92 @@ int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, con
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
-        free(scores); free(qf); free(kf);                                                                   \
+        free(scores); free(qf);                                                                             \
         return 0;                                                                                           \
     }
 
+#define KLD_F32(c, s) (c)
+#define KLD_BF16(c, s) bf16_load(c)
+#define KLD_FP8_F32(c, s) (e4m3_table[c] * (s))
+#define KLD_FP8_BF16(c, s) bf16_load(bf16_store(e4m3_table[c] * (s)))
+
+/* ---- int8 group-quantized GEMV (GGUF Q8_0) -----------------------------------------
+ * y[t, n] = sum_k q[n, k] * scales[n, k / group] * x[t, k] for output rows n_lo <= n < n_hi:
+ * q [N, K] int8, scales [N, K/group] float32, x [rows, K] (row stride xs), y [rows, N] float32.
+ * Per group, 16 lanes of q * x sums are scaled and added to the row's 16 running
+ * sums, summed once at the end of the row (AVX-512 intrinsics where the CPU has them).
+ */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* sum over one group of q[i] * x[i], 16 lanes at a time, scaled, into acc */
+static inline __m512 int8_group_dot(__m512 acc, const int8_t *q, const float *x, int64_t group, float scale) {
+    __m512 part = _mm512_setzero_ps();
+    for (int64_t i = 0; i < group; i += 16) {
+        __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
+        part = _mm512_add_ps(part, _mm512_mul_ps(qf, _mm512_loadu_ps(x + i)));
+    }
+    return _mm512_add_ps(acc, _mm512_mul_ps(part, _mm512_set1_ps(scale)));
+}
+#define INT8_ROW_DOT(qr, xr, sr, ng, group, out)                                         \
+    do {                                                                                 \
+        __m512 acc = _mm512_setzero_ps();                                                \
+        for (int64_t g = 0; g < ng; g++)                                                 \
+            acc = int8_group_dot(acc, qr + g * group, xr + g * group, group, sr[g]);      \
+        float lanes[16];                                                                 \
+        _mm512_storeu_ps(lanes, acc);                                                    \
+        float sum = 0.0f;                                                                \
+        for (int j = 0; j < 16; j++) sum += lanes[j];                                    \
+        out = sum;                                                                       \
+    } while (0)
+#else
+#define INT8_ROW_DOT(qr, xr, sr, ng, group, out)                                         \
+    do {                                                                                 \
+        float acc[16] = {0};                                                             \
+        for (int64_t g = 0; g < ng; g++) {                                               \
+            float part[16] = {0};                                                        \
+            for (int64_t i = g * group; i < (g + 1) * group; i += 16)                     \
+                for (int j = 0; j < 16; j++) part[j] += (float)qr[i + j] * xr[i + j];    \
+            for (int j = 0; j < 16; j++) acc[j] += part[j] * sr[g];                      \
+        }                                                                                \
+        float sum = 0.0f;                                                                \
+        for (int j = 0; j < 16; j++) sum += acc[j];                                      \
+        out = sum;                                                                       \
+    } while (0)
+#endif
+
+#define DEF_INT8_GEMV(SUF, T, LD)                                                                           \
+    int infer_int8_gemv_##SUF(const int8_t *restrict q, const float *restrict scales, const T *restrict x, \
+                              int64_t xs, int64_t rows, int64_t k, int64_t group, float *restrict y,        \
+                              int64_t n, int64_t n_lo, int64_t n_hi) {                                      \
+        if (group % 16 || k % group) return -1;                                                             \
+        float *xf = (float *)malloc(sizeof(float) * rows * k);                                              \
+        if (!xf) return -2;                                                                                 \
+        for (int64_t t = 0; t < rows; t++)                                                                  \
+            for (int64_t i = 0; i < k; i++) xf[t * k + i] = LD(x[t * xs + i]);                              \
+        int64_t ng = k / group;                                                                             \
+        for (int64_t r = n_lo; r < n_hi; r++) {                                                             \
+            const int8_t *qr = q + r * k;                                                                   \
+            const float *sr = scales + r * ng;                                                              \
+            for (int64_t t = 0; t < rows; t++) {                                                            \
+                const float *xr = xf + t * k;                                                               \
+                INT8_ROW_DOT(qr, xr, sr, ng, group, y[t * n + r]);                                          \
+            }                                                                                               \
+        }                                                                                                   \
+        free(xf);                                                                                           \
+        return 0;                                                                                           \
+    }
+
+DEF_INT8_GEMV(f32, float, f32_load)
+DEF_INT8_GEMV(bf16, uint16_t, bf16_load)
 DEF_RMS_NORM(f32, float, f32_load, f32_store)
 DEF_RMS_NORM(bf16, uint16_t, bf16_load, bf16_store)
 DEF_ROTARY(f32, float, f32_load, f32_store)
 DEF_ROTARY(bf16, uint16_t, bf16_load, bf16_store)
 DEF_SILU_AND_MUL(f32, float, f32_load, f32_store)
 DEF_SILU_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
-DEF_ATTENTION(f32, float, f32_load, f32_store)
-DEF_ATTENTION(bf16, uint16_t, bf16_load, bf16_store)
+DEF_ATTENTION(f32, float, f32_load, f32_store, float, KLD_F32)
+DEF_ATTENTION(bf16, uint16_t, bf16_load, bf16_store, uint16_t, KLD_BF16)
+DEF_ATTENTION(fp8_f32, float, f32_load, f32_store, uint8_t, KLD_FP8_F32)
+DEF_ATTENTION(fp8_bf16, uint16_t, bf16_load, bf16_store, uint8_t, KLD_FP8_BF16)
+DEF_KV_WRITE_FP8(f32, float, f32_load)
+DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)

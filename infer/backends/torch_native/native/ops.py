@@ -95,10 +95,14 @@ def silu_and_mul(x: torch.Tensor):
     return out
 
 
-def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
-    """True when written; False when the kernel does not apply."""
-    lib = _lib(k, v, kv_cache)
-    if lib is None or not (_heads(k) and _heads(v)) or not kv_cache.is_contiguous():
+def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             scales: tuple[float, float] | None = None) -> bool:
+    """True when written; False when the kernel does not apply. An fp8 (uint8) cache takes `scales`."""
+    lib = _lib(k, v)
+    fp8 = kv_cache.dtype == torch.uint8
+    if lib is None or not (_heads(k) and _heads(v)) or not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+        return False
+    if (kv_cache.dtype != k.dtype and not fp8) or (fp8 and scales is None):
         return False
     t, hk, d = k.shape
     if v.shape != k.shape or kv_cache.shape[-2:] != (hk, d) or kv_cache.shape[0] != 2:
@@ -108,17 +112,24 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     if slot_mapping.shape[0] != t:
         raise ValueError(f"kv_write: slot_mapping has {slot_mapping.shape[0]} entries for {t} rows of k")
     nslots = kv_cache[0].numel() // (hk * d)
-    _check(lib.infer_kv_write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), t,
-                              kv_cache.data_ptr(), nslots, hk * d, kv_cache.element_size()),
-           "kv_write: a slot is outside the cache")
+    head = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), t, kv_cache.data_ptr(), nslots)
+    if fp8:
+        rc = getattr(lib, f"infer_kv_write_fp8_{_SUFFIX[k.dtype]}")(*head, hk * d, float(scales[0]), float(scales[1]))
+    else:
+        rc = lib.infer_kv_write(*head, hk * d, kv_cache.element_size())
+    _check(rc, "kv_write: a slot is outside the cache")
     return True
 
 
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
-              work: int):
-    """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller plans it once a step)."""
-    lib = _lib(q, kv_cache)
+              work: int, kv_scales: tuple[float, float] | None = None):
+    """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller
+    plans it once a step). An fp8 (uint8) cache takes `kv_scales`."""
+    lib = _lib(q)
+    fp8 = kv_cache.dtype == torch.uint8
     if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
+        return None
+    if kv_cache.device.type != "cpu" or (kv_cache.dtype != q.dtype and not fp8) or (fp8 and kv_scales is None):
         return None
     t, hq, d = q.shape
     _, nblocks, bs, hk, dk = kv_cache.shape
@@ -129,9 +140,51 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     if bt.dim() != 2 or bt.stride(1) != 1 or not meta.query_start_loc.is_contiguous() or not meta.seq_lens.is_contiguous():
         return None
     out = torch.empty((t, hq, d), dtype=q.dtype)
-    fn = getattr(lib, f"infer_attention_{_SUFFIX[q.dtype]}")
+    fn = getattr(lib, f"infer_attention_{'fp8_' if fp8 else ''}{_SUFFIX[q.dtype]}")
+    k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-              meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr()),
+              meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale)),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
+
+
+# -- int8 group-quantized GEMV (GGUF Q8_0 at decode) ------------------------------
+INT8_GEMV_MAX_ROWS = 4
+# Weights of at least this many values are split across torch's threads (ctypes
+# drops the GIL, so Python threads run the kernel in parallel); smaller ones
+# take one call, cheaper than a hand-off.
+SPLIT_MIN_VALUES = 1 << 22
+_pool = None
+
+
+def _executor():
+    global _pool
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="infer-native")
+    return _pool
+
+
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """float32 ``x @ (q * scales).T`` for a few rows of x; None when the kernel does not apply."""
+    lib = _lib(x)
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[0] <= INT8_GEMV_MAX_ROWS:
+        return None
+    n, k = qweight.shape
+    if (qweight.dtype != torch.int8 or scales.dtype != torch.float32 or qweight.device.type != "cpu"
+            or not (qweight.is_contiguous() and scales.is_contiguous()) or x.shape[1] != k
+            or group_size % 16 or k % group_size or scales.shape != (n, k // group_size)):
+        return None
+    rows = x.shape[0]
+    y = torch.empty((rows, n), dtype=torch.float32)
+    fn = getattr(lib, f"infer_int8_gemv_{_SUFFIX[x.dtype]}")
+    head = (qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), x.stride(0), rows, k, group_size, y.data_ptr(), n)
+    parts = min(torch.get_num_threads(), 4) if n * k >= SPLIT_MIN_VALUES else 1
+    bounds = [n * i // parts for i in range(parts + 1)]
+    pending = [_executor().submit(fn, *head, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    codes = [fn(*head, bounds[0], bounds[1])] + [f.result() for f in pending]
+    for rc in codes:
+        _check(rc, "int8 linear")
+    return y
