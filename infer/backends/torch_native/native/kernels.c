@@ -61,8 +61,20 @@ static inline float exp_f32(float x) {
     return p * scale.f;
 }
 
-/* Sum of a[i] * b[i] in LANES partial sums (vectorisable, fixed order). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* Sum of a[i] * b[i] in LANES partial sums, in a fixed order (one AVX-512
+ * register and a tree reduction where the CPU has it). */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -230,7 +242,9 @@ static inline uint8_t e4m3_encode(float x) {
  * qsl[b]..qsl[b+1]-1 and has seq_lens[b] tokens of context after this step; its i-th row
  * sits at position seq_lens[b] - q_len + i and reads keys 0..pos (within `window` when > 0).
  * out [ntok, hq, d] contiguous; rows no request owns are zeroed. Softmax in float32.
- * KLD(c, scale) is a cached value as the model dtype holds it (fp8: code * scale, rounded).
+ * The hq / hk query heads that share a KV head are done together, so each cached K and V
+ * row is read (and widened) once. KLD(c, scale) is a cached value as the model dtype holds
+ * it (fp8: code * scale, rounded).
  */
 #define DEF_ATTENTION(NAME, T, LD, ST, C, KLD)                                                              \
     int infer_attention_##NAME(const T *q, int64_t q_ts, int64_t q_hs, int64_t ntok, int64_t hq,           \
@@ -251,13 +265,14 @@ static inline uint8_t e4m3_encode(float x) {
             if (len > max_len) max_len = len;                                                               \
         }                                                                                                   \
         memset(out, 0, sizeof(T) * ntok * hq * d);                                                          \
-        float *scores = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1));                       \
-        float *qf = (float *)malloc(sizeof(float) * d * 3);                                                 \
-        if (!scores || !qf) {                                                                               \
-            free(scores); free(qf);                                                                         \
+        float *scores = (float *)malloc(sizeof(float) * group * (max_len > 0 ? max_len : 1));               \
+        float *qf = (float *)malloc(sizeof(float) * d * (2 * group + 1));                                   \
+        int64_t *koff = (int64_t *)malloc(sizeof(int64_t) * (max_len > 0 ? max_len : 1));                    \
+        if (!scores || !qf || !koff) {                                                                      \
+            free(scores); free(qf); free(koff);                                                             \
             return -2;                                                                                      \
         }                                                                                                   \
-        float *acc = qf + d, *kf = qf + 2 * d;                                                              \
+        float *acc = qf + group * d, *kf = qf + 2 * group * d;                                              \
         for (int64_t b = 0; b < nseq; b++) {                                                                \
             int64_t lo = qsl[b], qlen = qsl[b + 1] - lo, len = seq_lens[b];                                 \
             const int32_t *bt = block_table + b * bt_stride;                                                \
@@ -265,41 +280,51 @@ static inline uint8_t e4m3_encode(float x) {
                 int64_t qpos = len - qlen + i, start = 0, row = lo + i;                                     \
                 if (window > 0 && qpos - window + 1 > 0) start = qpos - window + 1;                         \
                 int64_t nkeys = qpos + 1 - start;                                                           \
-                for (int64_t h = 0; h < hq; h++) {                                                          \
-                    const T *qr = q + row * q_ts + h * q_hs;                                                \
-                    int64_t g = h / group;                                                                  \
-                    for (int64_t e = 0; e < d; e++) qf[e] = LD(qr[e]);                                      \
-                    float m = -INFINITY;                                                                    \
+                for (int64_t p = 0; p < nkeys; p++) /* where each key's row starts */                      \
+                    koff[p] = ((int64_t)bt[(start + p) / bs] * bs + (start + p) % bs) * kv_row;             \
+                for (int64_t g = 0; g < hk; g++) {                                                          \
+                    for (int64_t hh = 0; hh < group; hh++) {                                                \
+                        const T *qr = q + row * q_ts + (g * group + hh) * q_hs;                             \
+                        for (int64_t e = 0; e < d; e++) qf[hh * d + e] = LD(qr[e]);                         \
+                    }                                                                                       \
                     for (int64_t p = 0; p < nkeys; p++) {                                                   \
-                        int64_t kp = start + p;                                                             \
-                        const C *kr = cache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;       \
-                        const float *kv;                                                                    \
-                        if (sizeof(C) == sizeof(float)) {                                                   \
+                        const C *kr = cache + koff[p] + g * d;                                              \
+                        const float *kv = kf;                                                               \
+                        if (sizeof(C) == sizeof(float))                                                     \
                             kv = (const float *)kr;                                                         \
-                        } else {                                                                            \
+                        else                                                                                \
                             for (int64_t e = 0; e < d; e++) kf[e] = KLD(kr[e], k_scale);                    \
-                            kv = kf;                                                                        \
-                        }                                                                                   \
-                        float sc = dot_f32(qf, kv, d) * scale;                                              \
-                        scores[p] = sc;                                                                     \
-                        if (sc > m) m = sc;                                                                 \
+                        for (int64_t hh = 0; hh < group; hh++)                                              \
+                            scores[hh * nkeys + p] = dot_f32(qf + hh * d, kv, d) * scale;                   \
                     }                                                                                       \
-                    float sum = 0.0f;                                                                       \
-                    for (int64_t e = 0; e < d; e++) acc[e] = 0.0f;                                          \
+                    for (int64_t hh = 0; hh < group; hh++) {                                                \
+                        float *sc = scores + hh * nkeys, m = -INFINITY, sum = 0.0f;                         \
+                        for (int64_t p = 0; p < nkeys; p++) m = sc[p] > m ? sc[p] : m;                      \
+                        for (int64_t p = 0; p < nkeys; p++) sc[p] = exp_f32(sc[p] - m);                     \
+                        for (int64_t p = 0; p < nkeys; p++) sum += sc[p];                                   \
+                        for (int64_t p = 0; p < nkeys; p++) sc[p] /= sum;                                   \
+                    }                                                                                       \
+                    for (int64_t e = 0; e < group * d; e++) acc[e] = 0.0f;                                  \
                     for (int64_t p = 0; p < nkeys; p++) {                                                   \
-                        int64_t kp = start + p;                                                             \
-                        float wgt = expf(scores[p] - m);                                                    \
-                        sum += wgt;                                                                         \
-                        const C *vr = vcache + ((int64_t)bt[kp / bs] * bs + kp % bs) * kv_row + g * d;      \
-                        for (int64_t e = 0; e < d; e++) acc[e] += wgt * KLD(vr[e], v_scale);                \
+                        const C *vr = vcache + koff[p] + g * d;                                             \
+                        const float *vv = kf;                                                               \
+                        if (sizeof(C) == sizeof(float))                                                     \
+                            vv = (const float *)vr;                                                         \
+                        else                                                                                \
+                            for (int64_t e = 0; e < d; e++) kf[e] = KLD(vr[e], v_scale);                    \
+                        for (int64_t hh = 0; hh < group; hh++) {                                            \
+                            float w = scores[hh * nkeys + p], *a = acc + hh * d;                            \
+                            for (int64_t e = 0; e < d; e++) a[e] += w * vv[e];                              \
+                        }                                                                                   \
                     }                                                                                       \
-                    T *o = out + (row * hq + h) * d;                                                        \
-                    float inv = 1.0f / sum;                                                                 \
-                    for (int64_t e = 0; e < d; e++) o[e] = ST(acc[e] * inv);                                \
+                    for (int64_t hh = 0; hh < group; hh++) {                                                \
+                        T *o = out + (row * hq + g * group + hh) * d;                                       \
+                        for (int64_t e = 0; e < d; e++) o[e] = ST(acc[hh * d + e]);                         \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
-        free(scores); free(qf);                                                                             \
+        free(scores); free(qf); free(koff);                                                                 \
         return 0;                                                                                           \
     }
 
@@ -315,7 +340,6 @@ static inline uint8_t e4m3_encode(float x) {
  * sums, summed once at the end of the row (AVX-512 intrinsics where the CPU has them).
  */
 #if defined(__AVX512F__)
-#include <immintrin.h>
 /* sum over one group of q[i] * x[i], 16 lanes at a time, scaled, into acc */
 static inline __m512 int8_group_dot(__m512 acc, const int8_t *q, const float *x, int64_t group, float scale) {
     __m512 part = _mm512_setzero_ps();
