@@ -295,3 +295,23 @@ def test_scales_for_a_model_dtype_cache_are_refused():
     _, _, k, v = _qkv(1, 2, 1, 8, torch.float32)
     with pytest.raises(ValueError, match="fp8"):
         attention_mod.kv_write(k, v, BACKEND.allocate_kv_cache(1, 4, 1, 8, "float32"), torch.tensor([0]), (1.0, 1.0))
+
+
+def test_a_forked_child_runs_the_split_gemv_on_its_own_threads():
+    """The parent's thread pool does not survive fork; the child must not wait on it forever."""
+    code = """
+import os, torch
+from infer.backends.torch_native.native import ops as nops
+nops.SPLIT_MIN_VALUES = 1
+q, s, x = torch.ones(64, 32, dtype=torch.int8), torch.ones(64, 1), torch.ones(1, 32)
+assert nops.int8_gemv(x, q, s, 32)[0, 0] == 32  # the parent's pool exists now
+pid = os.fork()
+if pid == 0:
+    ok = nops.int8_gemv(x, q, s, 32)[0, 0] == 32
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0"

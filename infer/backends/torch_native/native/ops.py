@@ -9,6 +9,8 @@ raises IndexError, as torch's indexing would.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import library
@@ -22,11 +24,12 @@ MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
 
 
 def _lib(*tensors: torch.Tensor):
-    t0 = tensors[0]
-    if t0.device.type != "cpu" or t0.dtype not in _SUFFIX:
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIX:
         return None
-    if any(t.dtype != t0.dtype or t.device.type != "cpu" for t in tensors[1:]):
-        return None
+    for t in tensors:
+        if t.dtype != dtype or t.is_cuda or t.device.type != "cpu":
+            return None
     return library()
 
 
@@ -156,6 +159,15 @@ INT8_GEMV_MAX_ROWS = 4
 # take one call, cheaper than a hand-off.
 SPLIT_MIN_VALUES = 1 << 22
 _pool = None
+
+
+def _forget_pool() -> None:
+    """A forked child has none of the parent's worker threads: it starts its own pool."""
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _executor():
