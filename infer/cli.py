@@ -104,7 +104,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
     if "torch" in reg.backends:
         from .backends.torch_native import native
 
-        console.print(f"torch CPU kernels (rms_norm, rotary, silu_and_mul, kv_write, small attention): "
+        console.print(f"torch CPU kernels (rms_norm, rotary, silu_and_mul, kv_write, attention, Q8_0 linear; fp8 KV): "
                       f"{escape(native.status())}")
     if args.coverage and matrix:
         cov_table = Table(title="primitive coverage (provider of each primitive)", title_justify="left")

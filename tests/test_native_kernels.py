@@ -315,3 +315,36 @@ print(os.waitstatus_to_exitcode(status))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "0"
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 baseline build")
+def test_the_portable_build_without_avx512_matches_the_torch_ops(tmp_path):
+    """The loops a CPU without AVX-512 runs (dot products, the Q8_0 GEMV) give the torch ops' results."""
+    code = """
+import torch
+from infer.backends.torch_native import native, ops
+from infer.backends.torch_native.native import ops as nops
+from test_torch_backend import BATCHES, paged_batch, BACKEND
+assert native.status().startswith("built"), native.status()
+torch.manual_seed(0)
+x, w = torch.randn(3, 576), torch.rand(576) + 0.5
+got = ops.rms_norm(x, w, 1e-6)
+q, s = torch.randint(-127, 128, (64, 96), dtype=torch.int8), torch.rand(64, 3)
+y = nops.int8_gemv(x[:, :96].contiguous(), q, s, 32)
+q_lens, seq_lens = BATCHES["mixed"]
+qq, cache, meta, _ = paged_batch(q_lens, seq_lens, 3, 16, 4)
+meta = BACKEND.prepare_metadata(meta)
+att = BACKEND.attention(qq, cache, meta, 0.25)
+lib = nops.library
+nops.library = lambda: None
+torch.testing.assert_close(got, ops.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+torch.testing.assert_close(att, BACKEND.attention(qq, cache, meta, 0.25), rtol=2e-6, atol=1e-6)
+torch.testing.assert_close(y.double(), x[:, :96].double() @ (q.double() * s.double().repeat_interleave(32, 1)).t(),
+                           rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+    env = {**os.environ, "INFER_NATIVE_MARCH": "x86-64", "INFER_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.path.dirname(__file__)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "ok"

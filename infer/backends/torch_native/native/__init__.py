@@ -10,6 +10,7 @@ GIL during each call).
 
 ``INFER_NATIVE=0`` turns them off; so does a missing or failing compiler, in
 which case `status()` says why and the torch ops run instead.
+``INFER_NATIVE_MARCH`` picks the target instruction set (default: the host's).
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: products are rounded before they are summed, as in torch's unfused ops.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+
+
+def flags() -> tuple[str, ...]:
+    """Compiler flags: the host's instruction set unless ``$INFER_NATIVE_MARCH`` names another
+    (``x86-64`` builds the portable loops instead of the AVX-512 ones)."""
+    return (*BASE_FLAGS, f"-march={os.environ.get('INFER_NATIVE_MARCH', 'native')}")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -54,7 +61,7 @@ def _compiler() -> list[str]:
 def _library_path() -> Path:
     cc = _compiler()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version, platform.machine())).encode())
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(flags()), version, platform.machine())).encode())
     return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -67,7 +74,7 @@ def _build(path: Path) -> None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            res = subprocess.run([*_compiler(), *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+            res = subprocess.run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
             if res.returncode != 0:
                 raise RuntimeError(f"compiling {SOURCE.name} failed:\n{res.stderr.strip()}")
             os.replace(tmp, path)

@@ -17,9 +17,13 @@ from . import library
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
-# Up to these sizes one thread running a kernel beats torch's ops on all cores
-# (measured at SmolLM2's shapes on the 2-core CI machine, benchmarks/primitives.py).
-MAX_ROWS = 64
+# Up to these sizes one thread running a kernel beat torch's ops on both cores of
+# the 2-core CI machine (SmolLM2 shapes, bf16 and fp32): rms_norm and rotary at
+# 256 rows took 60-80 us against 85-150; SiLU (an exp per value) lost past ~32
+# rows (64 rows: 65-85 us against 48-69). Attention: 1000 keys x 9 heads x 64
+# took 138 us against ~200.
+MAX_ROWS = 256
+SILU_MAX_ROWS = 32
 MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
 
 
@@ -28,7 +32,7 @@ def _lib(*tensors: torch.Tensor):
     if dtype not in _SUFFIX:
         return None
     for t in tensors:
-        if t.dtype != dtype or t.is_cuda or t.device.type != "cpu":
+        if t.dtype != dtype or t.device.type != "cpu":
             return None
     return library()
 
@@ -40,8 +44,8 @@ def _check(rc: int, what: str) -> None:
         raise MemoryError(f"{what}: the native kernel could not allocate its scratch")
 
 
-def _rows(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= MAX_ROWS
+def _rows(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
+    return x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= limit
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -89,7 +93,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
 
 def silu_and_mul(x: torch.Tensor):
     lib = _lib(x)
-    if lib is None or not _rows(x) or x.shape[1] % 2:
+    if lib is None or not _rows(x, SILU_MAX_ROWS) or x.shape[1] % 2:
         return None
     rows, h = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, h), dtype=x.dtype)
