@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from infer.core.loader import load_model
 from infer.core.lowering import lower
@@ -158,3 +158,67 @@ def test_quantization_none_loads_the_dequantized_matrices(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     np.testing.assert_allclose(weights[name], deq_weights[name], rtol=1e-6, atol=1e-7)
     assert "model.layers.1.mlp.down_proj.qweight" not in weights
+
+
+def _with_kv_scales(tmp_path, scales):
+    """The fp8 checkpoint of the tiny Llama with `scales(layer) -> {name: value}` added to each attention."""
+    write_checkpoint(tmp_path, "fp8_tensor")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    layers = json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):
+        for name, value in scales(i).items():
+            tensors[f"model.layers.{i}.self_attn.{name}"] = torch.tensor(value, dtype=torch.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+
+def _fp8_kv_runner(path, backend_name="torch"):
+    m = load_model(path, load_weights=False, load_tokenizer=False)
+    backend = get_backend(backend_name)
+    return ModelRunner(lower(build_llama(m.config)), backend, Ops(backend), m.lazy_weights(quantized=True),
+                       "float32", 256, kv_cache_dtype="fp8"), backend
+
+
+@pytest.mark.parametrize("names", [("k_scale", "v_scale"), ("k_proj.output_scale", "v_proj.output_scale")])
+def test_fp8_kv_scales_come_from_the_checkpoint(tmp_path, names):
+    _with_kv_scales(tmp_path, lambda i: {names[0]: 0.5 + i, names[1]: 0.25 * (i + 1)})
+    runner, backend = _fp8_kv_runner(tmp_path)
+    assert runner.kv_scales == [(0.5 + i, 0.25 * (i + 1)) for i in range(len(runner.kv_scales))]
+    # The cache holds codes of k / k_scale and v / v_scale: against a run with unit scales,
+    # layer 1's decoded values are smaller by its scales (up to e4m3's rounding).
+    (tmp_path / "plain").mkdir()
+    write_checkpoint(tmp_path / "plain", "fp8_tensor")  # the same weights (seeded), no KV scales
+    unit, _ = _fp8_kv_runner(tmp_path / "plain")
+    assert set(unit.kv_scales) == {(1.0, 1.0)}
+    ids = np.arange(1, 9)
+    rows = np.arange(len(ids))
+    decoded = []
+    for r in (runner, unit):
+        r.allocate_kv_caches(num_blocks=4, block_size=16)
+        r.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows[-1:]),
+                  backend.prepare_metadata(meta_for([(0, len(ids))], 16, [[0, 1, 2, 3]])))
+        decoded.append(backend.kv_cache_to_numpy(r.kv_caches[1]))
+    for i, scale in enumerate(runner.kv_scales[1]):
+        scaled, plain = decoded[0][i], decoded[1][i]
+        big = np.abs(plain) > 0.05  # clear of e4m3's subnormals
+        assert big.sum() > 20
+        np.testing.assert_allclose(scaled[big] * scale, plain[big], rtol=0.15)
+
+
+def test_one_kv_scale_serves_k_and_v(tmp_path):
+    _with_kv_scales(tmp_path, lambda i: {"kv_scale": 2.0})
+    runner, _ = _fp8_kv_runner(tmp_path, "cpu_ref")
+    assert set(runner.kv_scales) == {(2.0, 2.0)}
+
+
+def test_kv_scales_on_some_layers_only_are_refused(tmp_path):
+    _with_kv_scales(tmp_path, lambda i: {"k_scale": 1.5, "v_scale": 1.5} if i == 0 else {})
+    with pytest.raises(ValueError, match="for 1 of"):
+        _fp8_kv_runner(tmp_path)
+
+
+def test_no_kv_scales_means_1_with_a_warning(tmp_path, caplog):
+    write_checkpoint(tmp_path, "fp8_tensor")
+    with caplog.at_level("WARNING", logger="infer"):
+        runner, _ = _fp8_kv_runner(tmp_path)
+    assert set(runner.kv_scales) == {(1.0, 1.0)}
+    assert "no k_scale/v_scale" in caplog.text

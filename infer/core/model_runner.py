@@ -4,6 +4,7 @@ executes one flattened batch per `forward`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
@@ -42,6 +43,8 @@ class ModelRunner:
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         # (k_scale, v_scale) per layer for an fp8 cache.
         self.kv_scales = [(1.0, 1.0)] * program.graph.num_layers
+        if kv_cache_dtype == "fp8":
+            self.kv_scales = self._checkpoint_kv_scales(weights)
         self.config = program.graph.config
         self.tensors: dict[str, Any] = {}
         self._handles: dict[tuple, DenseWeight] = {}
@@ -59,6 +62,37 @@ class ModelRunner:
         self._validated = False
 
     # -- binding --------------------------------------------------------------
+    # Names a checkpoint gives a layer's fp8 KV scales, relative to the attention
+    # module (vLLM reads the same): k_scale/v_scale (fp8 checkpoints), one kv_scale
+    # for both (older AutoFP8), k_proj/v_proj.output_scale (compressed-tensors).
+    KV_SCALE_NAMES = (("k_scale", "v_scale"), ("kv_scale", "kv_scale"), ("k_proj.output_scale", "v_proj.output_scale"))
+
+    def _checkpoint_kv_scales(self, weights: Mapping[str, np.ndarray]) -> list[tuple[float, float]]:
+        """Per-layer (k_scale, v_scale) from the checkpoint, 1.0 where it has none."""
+        scales, found = [], 0
+        for layer in range(self.program.graph.num_layers):
+            attn = next((c for c in self.program.calls if c.primitive == "linear" and c.layer == layer
+                         and c.params.get("weight", "").endswith("qkv_proj")), None)
+            source = self.program.graph.params[attn.params["weight"]].sources[0] if attn else ""
+            prefix = source.rsplit(".", 2)[0] + "." if source.endswith("_proj.weight") else None
+            pair = (1.0, 1.0)
+            for k_name, v_name in self.KV_SCALE_NAMES if prefix else ():
+                if prefix + k_name in weights and prefix + v_name in weights:
+                    pair = tuple(float(np.asarray(weights[prefix + n], dtype=np.float32).reshape(-1)[0])
+                                 for n in (k_name, v_name))
+                    if not all(np.isfinite(x) and x > 0 for x in pair):
+                        raise ValueError(f"layer {layer}: fp8 KV scales must be positive, got {pair}")
+                    found += 1
+                    break
+            scales.append(pair)
+        if 0 < found < len(scales):
+            raise ValueError(f"the checkpoint gives fp8 KV scales for {found} of {len(scales)} layers")
+        if not found:
+            logging.getLogger("infer").warning(
+                "kv_cache_dtype fp8: the checkpoint has no k_scale/v_scale, so every scale is 1.0 (as in vLLM); "
+                "K and V values beyond +-448 saturate")
+        return scales
+
     def _load_param(self, name: str, weights: Mapping[str, np.ndarray]):
         p = self.program.graph.params[name]
         missing = [s for s in p.sources if s not in weights]
