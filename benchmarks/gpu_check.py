@@ -217,6 +217,17 @@ def section_primitives(out):
         flops = 2 * t * S.top_k * 3 * H * I
         row(f"moe E={S.experts} top{S.top_k} T={t}", lambda: CUDA.moe(xm, logits, w13, w2, S.top_k, True),
             lambda: TORCH.moe(xm, logits, w13, w2, S.top_k, True), nbytes=(w13.numel() + w2.numel()) * 2, flops=flops)
+    # quantized linear (Q4_1-style int4 with offsets), a down_proj of the model: the weight is read once
+    from infer.primitives.types import Int4GroupWeight
+
+    qw = Int4GroupWeight(torch.randint(0, 256, (H, I // 2), dtype=torch.uint8, device=DEV),
+                         rnd(H, I // 32, dtype=torch.float32, scale=0.01), rnd(H, I // 32, dtype=torch.float32, scale=0.01),
+                         32, dtype=str(DT).removeprefix("torch."))
+    qw_torch = TORCH.prepare_weight(qw)
+    for t in (1, 16):
+        xq = rnd(t, I)
+        row(f"linear int4 g32 T={t} N={H} K={I}", lambda: CUDA.linear(xq, qw), lambda: TORCH.linear(xq, qw_torch),
+            nbytes=H * I // 2 + 2 * H * (I // 32) * 4, flops=2 * t * H * I)
     n, L = S.prefill_seqs
     meta = _decode_meta(n, L, q_len=L)
     cache = CUDA.allocate_kv_cache(n * (-(-L // S.block_size)), S.block_size, S.kv_heads, D, "bfloat16")

@@ -32,7 +32,8 @@ def test_every_kernel_variant_compiles_for_sm90_and_sm80_within_shared_memory():
     compiled = [line for line in res.stdout.splitlines() if line.startswith("compiled ")]
     kernels = {line.split()[1] for line in compiled}
     assert kernels == {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_write_kernel", "_rms_norm_kernel",
-                       "_rotary_kernel", "_act_and_mul_kernel", "_gating_kernel", "_grouped_gemm_kernel"}, res.stdout
+                       "_rotary_kernel", "_act_and_mul_kernel", "_gating_kernel", "_grouped_gemm_kernel",
+                       "_quant_linear_kernel"}, res.stdout
 
 
 # -- run in the child ---------------------------------------------------------------------
@@ -71,8 +72,8 @@ def _launch_every_variant():
     and prefill tiles, window/soft-cap, flash-decoding splits."""
     import torch
 
-    from infer.backends.cuda import activation, attention, kv_write, moe, norm, rotary
-    from infer.primitives.types import AttentionMetadata
+    from infer.backends.cuda import activation, attention, kv_write, moe, norm, quant_linear, rotary
+    from infer.primitives.types import AttentionMetadata, Fp8Weight, Int4GroupWeight, Int8GroupWeight
 
     def meta(q_lens, seq_lens):
         qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -101,6 +102,15 @@ def _launch_every_variant():
                       torch.zeros(2, dtype=torch.int64), torch.zeros(64, 128), neox)
     for kind in activation.KINDS:
         activation.act_and_mul(torch.zeros(2, 2 * 14336, dtype=bf16), kind)
+    # quantized linear: each weight kind, bias or not, decode and prefill tiles, bf16 and fp32
+    n, k = 256, 512
+    weights = [Int4GroupWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 32), torch.zeros(n, k // 32), 32),
+               Int8GroupWeight(torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // 32), 32, bias=torch.zeros(n)),
+               Fp8Weight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n)),
+               Fp8Weight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(1))]
+    for w in weights:
+        for dtype, t in ((bf16, 1), (bf16, 64), (torch.float32, 64)):
+            quant_linear.linear(torch.zeros(t, k, dtype=dtype), w)
     # moe's steps one by one: with launches recorded, not run, the gating
     # kernel's output is garbage that the alignment must not see.
     moe.route(torch.zeros(64, 8, dtype=bf16), 2, True)

@@ -61,12 +61,22 @@ def test_cuda_conforms_to_cpu_ref_in_the_interpreter(group):
     assert not bad, "\n".join(f"{cid}: {status}: {detail}" for cid, _, status, _, detail in bad)
     # The kernels, not the torch fallback, must be what passed (fp8 KV caches
     # are declined through `kv_cache_dtypes`, so torch serves those cases).
-    wrong = {r[0]: r[3] for r in results if r[1] in NATIVE and r[3] != "cuda" and "fp8_" not in r[0]}
+    # Dense linear is torch's (cuBLAS) by declaration: only quantized weights must reach the kernel.
+    dense_linear = lambda cid: cid.startswith("linear-") and not any(q in cid for q in ("int4", "int8", "fp8"))  # noqa: E731
+    fp8_cache = lambda r: r[1] in ("kv_write", "attention") and "fp8_" in r[0]  # noqa: E731
+    wrong = {r[0]: r[3] for r in results if r[1] in NATIVE and r[3] != "cuda" and not fp8_cache(r)
+             and not dense_linear(r[0])}
+    if "linear" in GROUPS[group]:  # the quantized kernels really ran
+        assert sum(r[1] == "linear" and r[3] == "cuda" for r in results) >= 24
     assert not wrong, f"served by another backend: {wrong}"
 
 
 def test_backend_is_available_in_interpreter_mode_with_a_note():
     _check("check_availability")
+
+
+def test_quantized_linear_decodes_every_fp8_code_and_int4_nibble():
+    _check("check_fp8_every_code_and_int4_nibble_order")
 
 
 def test_split_kv_decoding_matches_one_pass_and_the_reference():
@@ -175,6 +185,29 @@ def check_availability():
         main(["backends"])
     (row,) = [line for line in text.getvalue().splitlines() if line.startswith("│ cuda")]
     assert f"yes ({INTERPRETER_NOTE})" in row and "│ cpu " in row, text.getvalue()
+
+
+def check_fp8_every_code_and_int4_nibble_order():
+    """Each finite e4m3fn code decodes to torch's float8 value, and int4 nibbles are read low
+    first: x = identity rows makes the kernel's output the dequantized weight itself."""
+    import torch
+
+    from infer.backends.cuda.quant_linear import linear
+    from infer.primitives.types import Fp8Weight, Int4GroupWeight
+
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)  # 254 finite codes
+    q = codes.repeat(2)[:256].view(2, 128)
+    eye = torch.eye(128)
+    for scales in (torch.tensor([0.5, 2.0]), torch.tensor([3.0])):
+        got = linear(eye, Fp8Weight(q, scales)).t()
+        want = q.view(torch.float8_e4m3fn).float() * scales.view(-1, 1)
+        assert torch.equal(got, want), (got - want).abs().max()
+    nib = torch.arange(64 * 32, dtype=torch.int64).view(32, 64) % 16
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    scales, offsets = torch.rand(32, 2) + 0.5, torch.randn(32, 2)
+    got = linear(torch.eye(64), Int4GroupWeight(packed, scales, offsets, 32)).t()
+    want = nib.float() * scales.repeat_interleave(32, 1) + offsets.repeat_interleave(32, 1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def check_split_kv():

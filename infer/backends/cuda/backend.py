@@ -1,9 +1,10 @@
 """`CudaBackend`: Triton kernels for the hot primitives, `torch` for the rest.
 
 What runs where is declared, not patched: `NATIVE` lists the primitives this
-backend implements with its own kernels; everything else (embedding, linear,
-sample, collectives) is resolved to the `torch` backend on the same device by
-`fallback`. The KV layout is torch's, so kv_write, attention and copy_blocks
+backend implements with its own kernels; everything else (embedding, dense
+linear, sample, collectives) is resolved to the `torch` backend on the same
+device by `fallback`. `linear` is its own only for quantized weights
+(`weight_kinds`): dense GEMMs stay with torch, that is cuBLAS. The KV layout is torch's, so kv_write, attention and copy_blocks
 agree whichever side serves them.
 
 The kernel modules are imported on first use: registering the plugin must
@@ -16,11 +17,11 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ...primitives.types import Support
+from ...primitives.types import QUANTIZED_KINDS, Support
 from ..torch_native.plumbing import TorchPlumbing
 from .launch import interpreting
 
-NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe")
+NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe", "linear")
 INTERPRETER_NOTE = "Triton interpreter mode (TRITON_INTERPRET=1): kernels run on the CPU, for testing only"
 
 
@@ -30,6 +31,7 @@ class CudaBackend(TorchPlumbing):
     dist_backend = "nccl"
     preferred_block_size = 16
     dtypes = ("float32", "float16", "bfloat16")
+    weight_kinds = QUANTIZED_KINDS
     fallback = "torch"
 
     def default_device(self) -> str:
@@ -51,6 +53,8 @@ class CudaBackend(TorchPlumbing):
     def supports(self, primitive: str, **kw: Any) -> Support:
         if primitive not in NATIVE:
             return Support(False, f"backend 'cuda' has no kernel for {primitive}; served by '{self.fallback}'")
+        if primitive == "linear" and kw.get("weight_kind", "dense") == "dense":
+            return Support(False, f"backend 'cuda' leaves dense linear to '{self.fallback}' (cuBLAS)")
         return super().supports(primitive, **kw)
 
     # -- primitives (kernels imported on first call) ----------------------------
@@ -68,6 +72,11 @@ class CudaBackend(TorchPlumbing):
         from .activation import act_and_mul
 
         return act_and_mul(x, kind)
+
+    def linear(self, x, weight):
+        from .quant_linear import linear
+
+        return linear(x, weight)
 
     def kv_write(self, k, v, kv_cache, slot_mapping, scales=None):
         if scales is not None:

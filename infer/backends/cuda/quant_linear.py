@@ -1,0 +1,106 @@
+"""`linear` on quantized weights: the weight is dequantized tile by tile inside the GEMM.
+
+One program computes a [BLOCK_T, BLOCK_N] tile of ``x @ w.T``. For each K tile
+it loads the stored codes of its BLOCK_N rows, turns them into float32 with
+their group's scale (and offset), and feeds ``tl.dot``; the dequantized matrix
+never exists in memory, so the weight is read at its stored width.
+
+* int4 group (`Int4GroupWeight`: GGUF Q4_0/Q4_1, AWQ, GPTQ): byte ``k // 2`` of
+  a row holds k's nibble (low for even k), ``w = q * scale + offset``.
+* int8 group (`Int8GroupWeight`: Q8_0): ``w = q * scale``.
+* fp8 (`Fp8Weight`): e4m3fn codes decoded with integer ops (sign, exponent,
+  mantissa; subnormals ``m * 2^-9``), times one scale per row or per tensor.
+
+Dequantized tiles and activations meet in float32 (exact against the
+dequantized-weight reference); bias is added in float32 before the result is
+rounded to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+
+KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
+
+
+@triton.jit
+def _e4m3_to_f32(code):
+    """float32 value of e4m3fn codes (uint8 widened to int32); 0x7f/0xff (NaN) never occur in weights."""
+    sign = tl.where((code & 128) != 0, -1.0, 1.0)
+    e = (code >> 3) & 15
+    m = (code & 7).to(tl.float32)
+    normal = (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32))
+    sub = m * 0.001953125  # m * 2^-9
+    return sign * tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_qn, stride_sn,
+                         stride_out, KIND: tl.constexpr, GROUP: tl.constexpr, PER_TENSOR: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    pid_t, pid_n = tl.program_id(0), tl.program_id(1)
+    ts = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    ns = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    t_ok, n_ok = ts < T, ns < N
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        wmask = n_ok[:, None] & k_ok[None, :]
+        if KIND == 0:
+            byte = tl.load(q_ptr + ns[:, None] * stride_qn + (ks // 2)[None, :], mask=wmask, other=0).to(tl.int32)
+            q = ((byte >> ((ks % 2) * 4)[None, :]) & 15).to(tl.float32)
+            g = (ks // GROUP)[None, :]
+            scale = tl.load(s_ptr + ns[:, None] * stride_sn + g, mask=wmask, other=0.0)
+            offset = tl.load(o_ptr + ns[:, None] * stride_sn + g, mask=wmask, other=0.0)
+            w = q * scale + offset
+        elif KIND == 1:
+            q = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0).to(tl.float32)
+            scale = tl.load(s_ptr + ns[:, None] * stride_sn + (ks // GROUP)[None, :], mask=wmask, other=0.0)
+            w = q * scale
+        else:
+            code = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0).to(tl.int32)
+            if PER_TENSOR:
+                scale = tl.load(s_ptr)
+            else:
+                scale = tl.load(s_ptr + ns, mask=n_ok, other=0.0)[:, None]
+            w = _e4m3_to_f32(code) * scale
+        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + ts[:, None] * stride_out + ns[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])
+
+
+def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
+    if w.kind not in KINDS:
+        raise TypeError(f"cuda quantized linear: no kernel for weight kind {w.kind!r}")
+    t, k = x.shape
+    n = w.out_features
+    if k != w.in_features:
+        raise ValueError(f"linear: x has {k} features, the weight takes {w.in_features}")
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q, scales = w.qweight, w.scales
+    offsets = w.offsets if isinstance(w, Int4GroupWeight) else scales  # unread unless int4
+    group = w.group_size if isinstance(w, (Int4GroupWeight, Int8GroupWeight)) else 1
+    per_tensor = isinstance(w, Fp8Weight) and scales.numel() == 1
+    bias = w.bias if w.bias is not None else scales  # unread without HAS_BIAS
+    block_t = 16 if t <= 16 else 32
+    block_n, block_k = 32, 32
+    grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
+    _quant_linear_kernel[grid](
+        x, q, scales, offsets, bias, out, t, n, k, x.stride(0), q.stride(0),
+        scales.stride(0) if scales.dim() > 1 or not per_tensor else 0, out.stride(0),
+        KIND=KINDS[w.kind], GROUP=group, PER_TENSOR=per_tensor, HAS_BIAS=w.bias is not None,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
