@@ -204,3 +204,35 @@ def test_engine_pages_by_128_and_generates_what_cpu_ref_generates(tmp_path, monk
             outs = llm.generate(prompts, params, use_tqdm=False)
             outputs[name] = [o.outputs[0].token_ids for o in outs]
     assert outputs["ascend"] == outputs["cpu_ref"]
+
+
+def test_quantized_linear_is_the_npu_weight_quant_matmul_in_half_precision_only(backend):
+    ops = Ops(backend)
+    for kind in ("int4_group", "int8_group"):
+        assert ops.provider("linear", weight_kind=kind, dtype="bfloat16").name == "ascend"
+        assert ops.provider("linear", weight_kind=kind, dtype="float32").name == "torch"
+    assert ops.provider("linear", weight_kind="fp8", dtype="bfloat16").name == "torch"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_int4_groups_with_zero_scale_stay_exact(backend, emulated, dtype):
+    """A Q4_1 group whose weights are all equal has scale 0: it must dequantize to its offset."""
+    from infer.primitives.types import Int4GroupWeight
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 16, 64
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, offsets = torch.rand(n, 2, generator=g) / 8, torch.randn(n, 2, generator=g)
+    scales[3, 1] = scales[7, 0] = 0.0
+    w = Int4GroupWeight(packed, scales, offsets, 32, dtype=dtype)
+    calls = []
+    real = emulated.npu_weight_quant_batchmatmul
+    emulated.npu_weight_quant_batchmatmul = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    x = torch.eye(k, dtype=getattr(torch, dtype))
+    got = backend.linear(x, backend.prepare_weight(w)).float().t()  # identity rows: the dequantized weight
+    q = torch.stack((packed & 15, packed >> 4), -1).view(n, k).float()
+    want = q * scales.repeat_interleave(32, 1) + offsets.repeat_interleave(32, 1)
+    assert calls
+    for row, cols in ((3, slice(32, 64)), (7, slice(0, 32))):  # the flat groups: their offset, rounded once
+        assert torch.equal(got[row, cols], want[row, cols].to(getattr(torch, dtype)).float())
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)

@@ -199,3 +199,43 @@ def test_grouped_matmul_takes_cumsum_or_count_group_lists():
         torch.testing.assert_close(got, want)
     with pytest.raises(NpuOpError, match="sum to M"):
         M.npu_grouped_matmul([a], [w], group_list=torch.tensor([1, 1, 1]), split_item=2, group_type=0, group_list_type=1)
+
+
+# -- npu_weight_quant_batchmatmul ------------------------------------------------------
+from infer.testing.npu_emulation import quant_ops as Q  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("group", [0, 32])
+def test_weight_quant_batchmatmul_dequantizes_weight_plus_offset_times_scale(dtype, group):
+    rng = np.random.default_rng(group)
+    k, n = 64, 24
+    x, xt = rounded(rng, (5, k), dtype)
+    q = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    rows = k // group if group else 1
+    s, st = rounded(rng, (rows, n), dtype, 0.01)
+    o, ot = rounded(rng, (rows, n), dtype, 4.0)
+    per_k = (lambda t: np.repeat(t, group, 0)) if group else (lambda t: t)
+    want = x @ ((q.astype(np.float32) + per_k(o)) * per_k(s))
+    close(Q.npu_weight_quant_batchmatmul(xt, torch.from_numpy(q), st, ot, antiquant_group_size=group), want, dtype)
+    bias = rng.standard_normal(n).astype(np.float32)
+    got = Q.npu_weight_quant_batchmatmul(xt, torch.from_numpy(q), st, ot, bias=torch.from_numpy(bias),
+                                         antiquant_group_size=group)
+    close(got, want + bias, dtype)
+
+
+def test_weight_quant_batchmatmul_enforces_documented_limits():
+    x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.int8)
+    s = torch.ones(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(NpuOpError, match="float16/bfloat16"):
+        Q.npu_weight_quant_batchmatmul(x.float(), w, s.float(), antiquant_group_size=32)
+    with pytest.raises(NpuOpError, match="multiple of 32"):
+        Q.npu_weight_quant_batchmatmul(x, w, torch.ones(4, 8, dtype=torch.bfloat16), antiquant_group_size=16)
+    with pytest.raises(NpuOpError, match="x's dtype"):
+        Q.npu_weight_quant_batchmatmul(x, w, s.half(), antiquant_group_size=32)
+    with pytest.raises(NpuOpError, match="int8"):
+        Q.npu_weight_quant_batchmatmul(x, w.int(), s, antiquant_group_size=32)
+    with pytest.raises(NpuOpError, match="not emulated"):
+        Q.npu_weight_quant_batchmatmul(x, w, s, quant_scale=torch.ones(8), antiquant_group_size=32)
+    with pytest.raises(NpuOpError, match="per-channel"):
+        Q.npu_weight_quant_batchmatmul(x, w, s)

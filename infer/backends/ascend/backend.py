@@ -4,7 +4,8 @@ Native: rms_norm (npu_rms_norm / npu_add_rms_norm), rotary (npu_rotary_mul),
 act_and_mul (npu_swiglu for silu), kv_write (npu_scatter_pa_kv_cache),
 attention (npu_fused_infer_attention_score over the planner's tiles), moe
 (gating top-k, init routing v2, grouped matmul, token unpermute) and linear
-(SmoothGEMM row tiles). Everything else, and what `supports` declines, is the
+(SmoothGEMM row tiles; int4/int8 group-quantized weights through
+npu_weight_quant_batchmatmul, fp16/bf16 activations). Everything else, and what `supports` declines, is the
 `torch` backend's code running on the NPU.
 """
 
@@ -36,7 +37,7 @@ class AscendBackend(TorchPlumbing):
     preferred_block_size = 128
     kv_cache_layout = "[2, num_blocks, block_size, num_kv_heads, head_dim] (K, V caches for npu_scatter_pa_kv_cache)"
     dtypes = ("float32", "float16", "bfloat16")
-    weight_kinds = ("dense",)
+    weight_kinds = ("dense", "int4_group", "int8_group")  # weight-only quantized: npu_weight_quant_batchmatmul
     fallback = "torch"
 
     def __init__(self, device: str | None = None):
@@ -53,6 +54,8 @@ class AscendBackend(TorchPlumbing):
 
     def supports(self, primitive: str, **kw: Any) -> Support:
         base = super().supports(primitive, **kw)
+        if base and primitive == "linear" and kw.get("weight_kind", "dense") != "dense" and kw.get("dtype") == "float32":
+            return Support(False, "npu_weight_quant_batchmatmul takes float16/bfloat16 activations only")
         if not base or primitive not in ("attention", "moe"):
             return base
         if primitive == "moe":
@@ -79,6 +82,9 @@ class AscendBackend(TorchPlumbing):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> torch.Tensor:
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=self.placement)
+
+    def prepare_weight(self, weight):
+        return linear.prepare_weight(weight)
 
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Device copies plus the step's XY-Serve tiles, planned once on the host for every layer."""

@@ -10,11 +10,16 @@ planner's SmoothGEMM Token-Table (`infer.core.xy_plan.linear_table`).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from ...core import xy_plan
-from ...primitives.types import DenseWeight
+from ...primitives.types import DenseWeight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from ..torch_native.plumbing import TORCH_DTYPES
+from .availability import torch_npu
 
 # Rows per GEMM tile. Decode batches up to this size are one product.
 M_TILE = 512
@@ -26,7 +31,52 @@ def row_tiles(num_tokens: int, m_tile: int = M_TILE) -> list[tuple[int, int]]:
     return list(zip(table.start.tolist(), table.token_num.tolist()))
 
 
-def linear(x: torch.Tensor, weight: DenseWeight, m_tile: int = M_TILE) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class WeightQuant:
+    """A quantized handle as npu_weight_quant_batchmatmul takes it: ``(weight + offset) * scale``
+    with weight [K, N] int8 and per-group (or per-channel) scale/offset [K/G or 1, N] in the
+    activation dtype."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int  # 0: per channel
+
+
+def prepare_weight(w: WeightHandle) -> WeightHandle:
+    """int8 group (Q8_0): ``q * s``. int4 group: ``q * s + o`` = ``((q - 8) + (8 + o / s)) * s``,
+    q - 8 carried as int8. Centred, the offset the op rounds to the activation dtype is small
+    (0 for GPTQ/AWQ zero points of 8, about 0.5 for GGUF Q4_1's minimum), so its rounding error
+    is too. A group whose scale is 0 (all its weights equal o) becomes q - 8 = 0, scale o,
+    offset 1, which is exact."""
+    if isinstance(w, DenseWeight) or w.prepared is not None:
+        return w
+    dtype = TORCH_DTYPES[w.dtype]
+    n, k, g = w.out_features, w.in_features, w.group_size
+    if isinstance(w, Int8GroupWeight):
+        q, scale, offset = w.qweight.to(torch.int8), w.scales.float(), None
+    elif isinstance(w, Int4GroupWeight):
+        q = torch.stack((w.qweight & 15, w.qweight >> 4), -1).view(n, k).to(torch.int8) - 8
+        scale, offset = w.scales.float(), w.offsets.float()
+        flat = scale == 0
+        q = q.masked_fill(flat.repeat_interleave(g, dim=1)[:, :k], 0)
+        offset = torch.where(flat, torch.ones_like(offset), 8 + offset / torch.where(flat, 1.0, scale))
+        scale = torch.where(flat, w.offsets.float(), scale)
+    else:
+        raise TypeError(f"ascend linear: no npu_weight_quant_batchmatmul form for {w.kind!r} weights")
+    per_channel = g >= k
+    table = lambda t: t.t().contiguous().to(dtype) if t is not None else None  # noqa: E731
+    return dataclasses.replace(w, prepared=WeightQuant(q.t().contiguous(), table(scale), table(offset),
+                                                       0 if per_channel else g))
+
+
+def _quant_product(x: torch.Tensor, p: WeightQuant) -> torch.Tensor:
+    return torch_npu().npu_weight_quant_batchmatmul(x, p.weight, p.scale, p.offset, antiquant_group_size=p.group)
+
+
+def linear(x: torch.Tensor, weight: WeightHandle, m_tile: int = M_TILE) -> torch.Tensor:
+    if not isinstance(weight, DenseWeight):
+        return _quant_linear(x, weight, m_tile)
     t = x.shape[0]
     if t <= m_tile:
         return F.linear(x, weight.weight, weight.bias)
@@ -35,4 +85,17 @@ def linear(x: torch.Tensor, weight: DenseWeight, m_tile: int = M_TILE) -> torch.
         torch.matmul(x[start:start + rows], weight.weight.t(), out=out[start:start + rows])
     if weight.bias is not None:
         out += weight.bias
+    return out
+
+
+def _quant_linear(x: torch.Tensor, weight: WeightHandle, m_tile: int) -> torch.Tensor:
+    p = weight.prepared
+    if not isinstance(p, WeightQuant):
+        raise ValueError("ascend linear: a quantized weight must go through the backend's prepare_weight first")
+    t = x.shape[0]
+    out = torch.empty(t, weight.out_features, dtype=x.dtype, device=x.device)
+    for start, rows in row_tiles(t, m_tile) if t else ():
+        out[start:start + rows] = _quant_product(x[start:start + rows], p)
+    if weight.bias is not None:
+        out += weight.bias.to(x.dtype)
     return out

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from . import attention_ops, layer_ops, moe_ops
+from . import attention_ops, layer_ops, moe_ops, quant_ops
 from .checks import NpuOpError
 from .device import make_torch_npu_namespace
 
@@ -39,6 +39,7 @@ EMULATED_OPS = {
     "npu_moe_init_routing_v2": moe_ops.npu_moe_init_routing_v2,
     "npu_grouped_matmul": moe_ops.npu_grouped_matmul,
     "npu_moe_token_unpermute": moe_ops.npu_moe_token_unpermute,
+    "npu_weight_quant_batchmatmul": quant_ops.npu_weight_quant_batchmatmul,
 }
 
 
