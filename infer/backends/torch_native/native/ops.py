@@ -32,9 +32,21 @@ def _lib(*tensors: torch.Tensor):
     if dtype not in _SUFFIX:
         return None
     for t in tensors:
-        if t.dtype != dtype or t.device.type != "cpu":
+        if t.dtype != dtype or not t.is_cpu:
             return None
     return library()
+
+
+_FUNCTIONS: dict = {}
+
+
+def _fn(lib, name: str, dtype: torch.dtype):
+    """The typed kernel ``infer_<name>_<f32|bf16>`` (looked up once)."""
+    key = (name, dtype)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = getattr(lib, f"infer_{name}_{_SUFFIX[dtype]}")
+    return fn
 
 
 def _check(rc: int, what: str) -> None:
@@ -57,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return None
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=x.dtype)
-    fn = getattr(lib, f"infer_rms_norm_{_SUFFIX[x.dtype]}")
+    fn = _fn(lib, "rms_norm", x.dtype)
     if residual is None:
         _check(fn(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), n, None, 0, rows, n, eps),
                "rms_norm")
@@ -84,7 +96,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
     t, hq, d = q.shape
     hk = k.shape[1]
     out = torch.empty((t, hq + hk, d), dtype=q.dtype)
-    fn = getattr(lib, f"infer_rotary_{_SUFFIX[q.dtype]}")
+    fn = _fn(lib, "rotary", q.dtype)
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), hq, k.data_ptr(), k.stride(0), k.stride(1), hk,
               positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], rot, int(neox_style),
               out.data_ptr(), t, d), "rotary: a position is outside the rope table")
@@ -97,7 +109,7 @@ def silu_and_mul(x: torch.Tensor):
         return None
     rows, h = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, h), dtype=x.dtype)
-    _check(getattr(lib, f"infer_silu_and_mul_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), out.data_ptr(), rows, h),
+    _check(_fn(lib, "silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), rows, h),
            "act_and_mul")
     return out
 
@@ -107,7 +119,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     """True when written; False when the kernel does not apply. An fp8 (uint8) cache takes `scales`."""
     lib = _lib(k, v)
     fp8 = kv_cache.dtype == torch.uint8
-    if lib is None or not (_heads(k) and _heads(v)) or not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+    if lib is None or not (_heads(k) and _heads(v)) or not kv_cache.is_contiguous() or not kv_cache.is_cpu:
         return False
     if (kv_cache.dtype != k.dtype and not fp8) or (fp8 and scales is None):
         return False
@@ -118,10 +130,10 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         return False
     if slot_mapping.shape[0] != t:
         raise ValueError(f"kv_write: slot_mapping has {slot_mapping.shape[0]} entries for {t} rows of k")
-    nslots = kv_cache[0].numel() // (hk * d)
+    nslots = kv_cache.numel() // (2 * hk * d)
     head = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), t, kv_cache.data_ptr(), nslots)
     if fp8:
-        rc = getattr(lib, f"infer_kv_write_fp8_{_SUFFIX[k.dtype]}")(*head, hk * d, float(scales[0]), float(scales[1]))
+        rc = _fn(lib, "kv_write_fp8", k.dtype)(*head, hk * d, float(scales[0]), float(scales[1]))
     else:
         rc = lib.infer_kv_write(*head, hk * d, kv_cache.element_size())
     _check(rc, "kv_write: a slot is outside the cache")
@@ -136,18 +148,18 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     fp8 = kv_cache.dtype == torch.uint8
     if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
         return None
-    if kv_cache.device.type != "cpu" or (kv_cache.dtype != q.dtype and not fp8) or (fp8 and kv_scales is None):
+    if not kv_cache.is_cpu or (kv_cache.dtype != q.dtype and not fp8) or (fp8 and kv_scales is None):
         return None
     t, hq, d = q.shape
     _, nblocks, bs, hk, dk = kv_cache.shape
     ints = (meta.block_table, meta.query_start_loc, meta.seq_lens)
-    if dk != d or hq % hk or any(x.dtype != torch.int32 or x.device.type != "cpu" for x in ints):
+    if dk != d or hq % hk or any(x.dtype != torch.int32 or not x.is_cpu for x in ints):
         return None
     bt = meta.block_table
     if bt.dim() != 2 or bt.stride(1) != 1 or not meta.query_start_loc.is_contiguous() or not meta.seq_lens.is_contiguous():
         return None
     out = torch.empty((t, hq, d), dtype=q.dtype)
-    fn = getattr(lib, f"infer_attention_{'fp8_' if fp8 else ''}{_SUFFIX[q.dtype]}")
+    fn = _fn(lib, "attention_fp8" if fp8 else "attention", q.dtype)
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
@@ -195,7 +207,7 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
         return None
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=torch.float32)
-    fn = getattr(lib, f"infer_int8_gemv_{_SUFFIX[x.dtype]}")
+    fn = _fn(lib, "int8_gemv", x.dtype)
     head = (qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), x.stride(0), rows, k, group_size, y.data_ptr(), n)
     parts = min(torch.get_num_threads(), 4) if n * k >= SPLIT_MIN_VALUES else 1
     bounds = [n * i // parts for i in range(parts + 1)]
