@@ -5,8 +5,11 @@ shapes; `python benchmarks/quant.py --part linear --threads 1`):
 
 * torch's int4 CPU GEMM (``aten._weight_int4pack_mm_for_cpu``) has a fast,
   vectorised kernel for bfloat16/float16 activations: 1.3-1.4x the fp32
-  dense GEMV at T=1 and ~2x at T=4, while reading 1/7 of the bytes; at T=32
-  it still beats bf16 tiles 2x, at T=256 tiles win 1.6x. Its float32 kernel is scalar: 15-20x
+  dense GEMV at T=1 and ~2x at T=4, while reading 1/7 of the bytes. Its time
+  grows with T while dequantize-in-tiles pays a fixed dequantization: against
+  bf16 tiles it measured 3-3.9x faster at T=37, 1.25-1.5x at T=128, and 1.6-2x
+  slower at T=512 (2026-11-29, SmolLM2's qkv, gate_up and down), so it takes
+  up to 160 rows. Its float32 kernel is scalar: 15-20x
   slower than the dense GEMV at T=1 and slower than dequantize-in-tiles at
   every T, so float32 never uses it. Its dequantization is
   ``(q - 8) * scale + zero``, our ``q * scale + offset`` with
@@ -38,7 +41,7 @@ from . import ops
 from .native import ops as native
 
 # Half-precision rows up to which the packed kernels beat dequantize-in-tiles.
-INT4_KERNEL_MAX_ROWS = 32
+INT4_KERNEL_MAX_ROWS = 160
 INT8_GROUP_KERNEL_MAX_ROWS = 8
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 TILE_ELEMENTS = 1 << 20  # weights dequantized at once: 4 MiB of float32
