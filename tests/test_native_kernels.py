@@ -13,6 +13,7 @@ with and without these kernels.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,7 +29,10 @@ from test_torch_backend import BATCHES, dense_attention, paged_batch
 
 BACKEND = TorchBackend()
 DTYPES = [torch.float32, torch.bfloat16]
-pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels {native.status()}")
+# Skipped only where they cannot be built by design: switched off, or no C compiler on the
+# machine. With a compiler present a failed build fails these tests instead of hiding.
+pytestmark = pytest.mark.skipif(os.environ.get("INFER_NATIVE") == "0" or shutil.which(os.environ.get("CC", "cc")) is None,
+                                reason="native kernels switched off or no C compiler")
 
 
 @pytest.fixture

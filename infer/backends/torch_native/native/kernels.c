@@ -247,6 +247,12 @@ static inline uint8_t e4m3_encode(float x) {
  * it (fp8: code * scale, rounded).
  */
 #define DEF_ATTENTION(NAME, T, LD, ST, C, KLD)                                                              \
+    /* A cached K or V row as float32: read in place from a float32 cache, else widened into buf. */        \
+    static inline const float *widen_##NAME(const C *row, int64_t d, float scale, float *buf) {              \
+        if (sizeof(C) == sizeof(float)) return (const float *)row;                                          \
+        for (int64_t e = 0; e < d; e++) buf[e] = KLD(row[e], scale);                                        \
+        return buf;                                                                                         \
+    }                                                                                                       \
     int infer_attention_##NAME(const T *q, int64_t q_ts, int64_t q_hs, int64_t ntok, int64_t hq,           \
                                const C *cache, int64_t nblocks, int64_t bs, int64_t hk, int64_t d,           \
                                const int32_t *block_table, int64_t bt_stride, int64_t bt_width,              \
@@ -288,12 +294,7 @@ static inline uint8_t e4m3_encode(float x) {
                         for (int64_t e = 0; e < d; e++) qf[hh * d + e] = LD(qr[e]);                         \
                     }                                                                                       \
                     for (int64_t p = 0; p < nkeys; p++) {                                                   \
-                        const C *kr = cache + koff[p] + g * d;                                              \
-                        const float *kv = kf;                                                               \
-                        if (sizeof(C) == sizeof(float))                                                     \
-                            kv = (const float *)kr;                                                         \
-                        else                                                                                \
-                            for (int64_t e = 0; e < d; e++) kf[e] = KLD(kr[e], k_scale);                    \
+                        const float *kv = widen_##NAME(cache + koff[p] + g * d, d, k_scale, kf);            \
                         for (int64_t hh = 0; hh < group; hh++)                                              \
                             scores[hh * nkeys + p] = dot_f32(qf + hh * d, kv, d) * scale;                   \
                     }                                                                                       \
@@ -306,12 +307,7 @@ static inline uint8_t e4m3_encode(float x) {
                     }                                                                                       \
                     for (int64_t e = 0; e < group * d; e++) acc[e] = 0.0f;                                  \
                     for (int64_t p = 0; p < nkeys; p++) {                                                   \
-                        const C *vr = vcache + koff[p] + g * d;                                             \
-                        const float *vv = kf;                                                               \
-                        if (sizeof(C) == sizeof(float))                                                     \
-                            vv = (const float *)vr;                                                         \
-                        else                                                                                \
-                            for (int64_t e = 0; e < d; e++) kf[e] = KLD(vr[e], v_scale);                    \
+                        const float *vv = widen_##NAME(vcache + koff[p] + g * d, d, v_scale, kf);           \
                         for (int64_t hh = 0; hh < group; hh++) {                                            \
                             float w = scores[hh * nkeys + p], *a = acc + hh * d;                            \
                             for (int64_t e = 0; e < d; e++) a[e] += w * vv[e];                              \
