@@ -234,20 +234,80 @@ def test_a_fresh_cache_directory_builds_the_library(tmp_path):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("split", [False, True])
-def test_int8_gemv_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, split):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_int8_gemv_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, threads):
     g = torch.Generator().manual_seed(rows)
     n, k, group = 300, 96, 32
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=g) / 64
     x = torch.randn(rows, k + 8, generator=g).to(dtype)[:, 8:]  # rows of a wider buffer
-    if split:  # parts on worker threads, each its own range of output rows
-        monkeypatch.setattr(nops, "SPLIT_MIN_VALUES", 1)
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    # threads > 1: parts of the output rows on the kernels' own thread pool
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     got = nops.int8_gemv(x, q, scales, group)
     want = x.double() @ (q.double() * scales.double().repeat_interleave(group, 1)).t()
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _int4(n, k, group, seed, zero_rows=()):
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) / 32
+    offsets = -8 * scales + torch.randn(n, k // group, generator=g) / 100
+    for r in zero_rows:
+        scales[r] = 0.0
+    q = torch.stack((qweight & 15, qweight >> 4), -1).view(n, k).double()
+    w = (q.view(n, -1, group) * scales.double()[..., None] + offsets.double()[..., None]).view(n, k)
+    return qweight, scales, offsets, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,group", [(1, 32), (3, 64), (32, 128)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_int4_gemm_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, group, threads):
+    """float32: within float32 rounding of the float64 product of the dequantized weight;
+    bfloat16: that product rounded once to bfloat16 (half an ulp), give or take a little."""
+    n, k = 132, 384
+    qweight, scales, offsets, w = _int4(n, k, group, seed=rows, zero_rows=(5,))
+    g = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, k + 8, generator=g)
+    x[:, 8:40] *= 1e-4  # one group far smaller than the rest, one value far smaller than its group
+    x[0, 50] = 3e-6
+    x[-1, 8 + group : 8 + 2 * group] = 0.0  # an all-zero group
+    x = x.to(dtype)[:, 8:]  # rows of a wider buffer
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    got = nops.int4_gemm(x, qweight, scales, offsets, group)
+    want = x.double() @ w.t()
+    assert got.dtype == dtype and got.shape == (rows, n)
+    scale = (x.double().abs() @ w.abs().t())  # what float32 rounding of the sum is relative to
+    if dtype == torch.float32:
+        assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-30).all()
+    else:
+        assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * scale).all()
+    assert want[:, 5].abs().min() > 0  # the scale-0 row (offsets only) is in the bounds above
+
+
+def test_int4_gemm_runs_the_same_on_any_number_of_threads(monkeypatch):
+    qweight, scales, offsets, _ = _int4(4 * 97, 256, 32, seed=3)
+    x = torch.randn(2, 256)
+    results = []
+    for threads in (1, 2, 5):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        results.append(nops.int4_gemm(x, qweight, scales, offsets, 32))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_int4_gemm_declines_what_it_does_not_read():
+    qweight, scales, offsets, _ = _int4(16, 64, 32, seed=0)
+    x = torch.ones(1, 64)
+    assert nops.int4_gemm(x, qweight, scales, offsets, 32) is not None
+    assert nops.int4_gemm(torch.ones(nops.INT4_GEMM_MAX_ROWS + 1, 64), qweight, scales, offsets, 32) is None
+    assert nops.int4_gemm(x.half(), qweight, scales, offsets, 32) is None
+    assert nops.int4_gemm(x, qweight[:14], scales[:14], offsets[:14], 32) is None  # rows not a multiple of 4
+    q16, s16, o16, _ = _int4(16, 64, 16, seed=0)
+    assert nops.int4_gemm(x, q16, s16, o16, 16) is None  # groups of 16
+    assert nops.int4_gemm(x, qweight, scales.double(), offsets, 32) is None
+    assert nops.int4_gemm(torch.ones(1, 64)[:, ::1].t().contiguous().t(), qweight, scales, offsets, 32) is not None
 
 
 def test_int8_gemv_declines_what_it_does_not_read():
@@ -301,18 +361,20 @@ def test_scales_for_a_model_dtype_cache_are_refused():
         attention_mod.kv_write(k, v, BACKEND.allocate_kv_cache(1, 4, 1, 8, "float32"), torch.tensor([0]), (1.0, 1.0))
 
 
-def test_a_forked_child_runs_the_split_gemv_on_its_own_threads():
+def test_a_forked_child_runs_the_split_gemvs_on_its_own_threads():
     """The parent's thread pool does not survive fork; the child must not wait on it forever."""
     code = """
 import os, torch
 from infer.backends.torch_native.native import ops as nops
-nops.SPLIT_MIN_VALUES = 1
-q, s, x = torch.ones(64, 32, dtype=torch.int8), torch.ones(64, 1), torch.ones(1, 32)
-assert nops.int8_gemv(x, q, s, 32)[0, 0] == 32  # the parent's pool exists now
+torch.get_num_threads = lambda: 2
+q, s, x = torch.ones(256, 32, dtype=torch.int8), torch.ones(256, 1), torch.ones(1, 32)
+q4, s4, o4 = torch.full((256, 16), 0x21, dtype=torch.uint8), torch.ones(256, 1), torch.zeros(256, 1)
+def ok():
+    return nops.int8_gemv(x, q, s, 32)[0, 0] == 32 and nops.int4_gemm(x, q4, s4, o4, 32)[0, 0] == 48
+assert ok()  # the parent's pool has a worker now
 pid = os.fork()
 if pid == 0:
-    ok = nops.int8_gemv(x, q, s, 32)[0, 0] == 32
-    os._exit(0 if ok else 1)
+    os._exit(0 if ok() else 1)
 _, status = os.waitpid(pid, 0)
 print(os.waitstatus_to_exitcode(status))
 """
@@ -323,7 +385,7 @@ print(os.waitstatus_to_exitcode(status))
 
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 baseline build")
 def test_the_portable_build_without_avx512_matches_the_torch_ops(tmp_path):
-    """The loops a CPU without AVX-512 runs (dot products, the Q8_0 GEMV) give the torch ops' results."""
+    """The loops a CPU without AVX-512 runs (dot products, the Q8_0 and int4 GEMVs) give the torch ops' results."""
     code = """
 import torch
 from infer.backends.torch_native import native, ops
@@ -339,12 +401,18 @@ q_lens, seq_lens = BATCHES["mixed"]
 qq, cache, meta, _ = paged_batch(q_lens, seq_lens, 3, 16, 4)
 meta = BACKEND.prepare_metadata(meta)
 att = BACKEND.attention(qq, cache, meta, 0.25)
+q4 = torch.randint(0, 256, (64, 48), dtype=torch.uint8)
+s4, o4 = torch.rand(64, 3) / 16, torch.randn(64, 3) / 16
+w4 = torch.stack((q4 & 15, q4 >> 4), -1).view(64, 96).double() * s4.double().repeat_interleave(32, 1)
+w4 += o4.double().repeat_interleave(32, 1)
+y4 = nops.int4_gemm(x[:, :96].contiguous(), q4, s4, o4, 32)
 lib = nops.library
 nops.library = lambda: None
 torch.testing.assert_close(got, ops.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
 torch.testing.assert_close(att, BACKEND.attention(qq, cache, meta, 0.25), rtol=2e-6, atol=1e-6)
 torch.testing.assert_close(y.double(), x[:, :96].double() @ (q.double() * s.double().repeat_interleave(32, 1)).t(),
                            rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(y4.double(), x[:, :96].double() @ w4.t(), rtol=1e-5, atol=1e-5)
 print("ok")
 """
     env = {**os.environ, "INFER_NATIVE_MARCH": "x86-64", "INFER_CACHE_DIR": str(tmp_path),

@@ -222,3 +222,27 @@ def test_no_kv_scales_means_1_with_a_warning(tmp_path, caplog):
         runner, _ = _fp8_kv_runner(tmp_path)
     assert set(runner.kv_scales) == {(1.0, 1.0)}
     assert "no k_scale/v_scale" in caplog.text
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_auto_keeps_int4_weights_in_float32_only_with_an_exact_kernel(tmp_path, monkeypatch, native_kernels):
+    """quantization='auto' with float32 activations keeps the AWQ weights quantized on the torch
+    backend when its native GEMVs (exact to float32 rounding) are there, and dequantizes them
+    at load when they are not; both give the dequantized model's greedy tokens."""
+    from infer import LLM, SamplingParams
+    from infer.backends.torch_native import native
+
+    write_checkpoint(tmp_path, "awq")
+    if not native_kernels:
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    llm = LLM(str(tmp_path), backend="torch", dtype="float32", skip_tokenizer_init=True, max_num_seqs=2)
+    kinds = {h.kind for h in llm.engine.runner._handles.values()}
+    assert ("int4_group" in kinds) == native_kernels, kinds
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42] * 9}]
+    out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    ref = LLM(str(tmp_path), backend="torch", dtype="float32", skip_tokenizer_init=True, max_num_seqs=2,
+              quantization="none")
+    want = ref.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in want]

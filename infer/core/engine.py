@@ -81,10 +81,9 @@ class LLMEngine:
         if a.max_model_len is not None and a.max_model_len > model_len:
             raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
         self.max_model_len = a.max_model_len or model_len
-        # 'auto' keeps stored quantized weights for 16-bit activations; float32 ones
-        # ask for exact float32 arithmetic, which the dequantized weights give
-        # fastest (no quantized kernel here is both exact and fast in float32).
-        keep = a.quantization == "fp8" or (a.quantization == "auto" and self.dtype != "float32")
+        # 'auto' keeps stored quantized weights where the backend's quantized kernels
+        # pay (always for 16-bit activations; for float32 only where they are exact).
+        keep = a.quantization == "fp8" or (a.quantization == "auto" and self.backend.keeps_quantized(self.dtype))
         weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
         self.runner = ModelRunner(program, self.backend, self.ops, weights, self.dtype, self.max_model_len,
                                   quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)

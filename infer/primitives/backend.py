@@ -79,6 +79,17 @@ class Backend(ABC):
             return Support(False, f"backend '{self.name}' keeps KV caches as {self.kv_cache_dtypes}, not {cache}")
         return Support(True)
 
+    def keeps_quantized(self, dtype: str) -> bool:
+        """Whether ``quantization="auto"`` keeps a checkpoint's quantized weights for activations in `dtype`.
+
+        16-bit activations: yes, since decode is bound by the bytes read per
+        weight. float32 asks for float32 arithmetic, so a backend says yes only
+        where its quantized `linear` is exact to float32 rounding and faster
+        than the dequantized float32 weights; otherwise the weights are
+        dequantized at load.
+        """
+        return dtype != "float32"
+
     def fuses(self, node_op: str, **attrs: Any) -> Support:
         """Whether this backend runs a whole graph node (e.g. 'attention_block') itself.
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: products are rounded before they are summed, as in torch's unfused ops.
-BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
 
 
 def flags() -> tuple[str, ...]:
@@ -44,7 +44,8 @@ _SIGNATURES = {
     "infer_attention": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F),
     "infer_attention_fp8": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F),
     "infer_kv_write_fp8": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _F),
-    "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I, _I),
+    "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
+    "infer_int4_gemm": (_P, _P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
 }
 _TYPED = ("f32", "bf16")
 

@@ -11,10 +11,15 @@
  * return -1 for an out-of-range index instead of reading or writing past an
  * allocation; 0 on success.
  */
+#define _GNU_SOURCE
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef union {
     uint32_t u;
@@ -329,6 +334,368 @@ static inline uint8_t e4m3_encode(float x) {
 #define KLD_FP8_F32(c, s) (e4m3_table[c] * (s))
 #define KLD_FP8_BF16(c, s) bf16_load(bf16_store(e4m3_table[c] * (s)))
 
+/* ---- a thread pool for the GEMVs ----------------------------------------------------
+ * A decode step runs ~120 GEMVs of 10-60 us each: handing each half to a Python
+ * thread costs as much as the work. Workers here wait for the next job spinning
+ * (with the pause hint, yielding to any runnable thread now and then) for
+ * POOL_SPIN_NS, then sleep on a condition variable, so back-to-back GEMVs hand off
+ * within a microsecond or two while an idle pool leaves the cores to torch. pool_run(task, args, parts) runs task(args, p, parts)
+ * for p = 0..parts-1, part 0 on the calling thread, and returns when all are done.
+ * Callers racing for the pool (ctypes drops the GIL) run their job alone instead
+ * of waiting. A forked child starts with no workers (pthread_atfork).
+ */
+#define POOL_MAX 64
+#define POOL_SPIN_NS 200000
+typedef void (*pool_task)(const void *args, int64_t part, int64_t parts);
+static struct {
+    pthread_mutex_t run, mu;
+    pthread_cond_t wake;
+    int started;
+    uint64_t first_job[POOL_MAX]; /* the generation each worker started at */
+    _Atomic uint64_t generation;
+    _Atomic int remaining, sleeping;
+    pool_task task;
+    const void *args;
+    int64_t parts;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *pool_worker(void *arg) {
+    int64_t me = (int64_t)(intptr_t)arg;
+    uint64_t seen = pool.first_job[me]; /* not the generation now: the first job may already be posted */
+    for (;;) {
+        uint64_t g;
+        int64_t since = now_ns();
+        for (int spins = 1; (g = atomic_load(&pool.generation)) == seen; spins++) {
+            cpu_relax();
+            /* yield now and then: a runnable thread (torch's OpenMP team) gets the core */
+            if (spins % 64 == 0) sched_yield();
+            if (spins % 256 == 0 && now_ns() - since > POOL_SPIN_NS) {
+                pthread_mutex_lock(&pool.mu);
+                atomic_fetch_add(&pool.sleeping, 1);
+                while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+                atomic_fetch_sub(&pool.sleeping, 1);
+                pthread_mutex_unlock(&pool.mu);
+                break;
+            }
+        }
+        seen = g;
+        if (me < pool.parts) pool.task(pool.args, me, pool.parts);
+        atomic_fetch_sub(&pool.remaining, 1);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cond = PTHREAD_COND_INITIALIZER;
+    pool.run = fresh;
+    pool.mu = fresh;
+    pool.wake = cond;
+    pool.started = 0;
+    atomic_store(&pool.remaining, 0);
+    atomic_store(&pool.sleeping, 0);
+}
+
+/* Workers for `parts` parts (parts - 1 threads); returns the parts it can run. Holds pool.run. */
+static int64_t pool_grow(int64_t parts) {
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        registered = 1;
+    }
+    if (parts > POOL_MAX) parts = POOL_MAX;
+    while (pool.started < parts - 1) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.first_job[pool.started + 1] = atomic_load(&pool.generation);
+        int rc = pthread_create(&th, &attr, pool_worker, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.started++;
+    }
+    return parts < pool.started + 1 ? parts : pool.started + 1;
+}
+
+static void pool_run(pool_task task, const void *args, int64_t parts) {
+    if (parts > 1 && pthread_mutex_trylock(&pool.run) == 0) {
+        parts = pool_grow(parts);
+        if (parts > 1) {
+            pool.task = task;
+            pool.args = args;
+            pool.parts = parts;
+            atomic_store(&pool.remaining, pool.started);
+            atomic_fetch_add(&pool.generation, 1);
+            if (atomic_load(&pool.sleeping) > 0) {
+                pthread_mutex_lock(&pool.mu);
+                pthread_cond_broadcast(&pool.wake);
+                pthread_mutex_unlock(&pool.mu);
+            }
+            task(args, 0, parts);
+            while (atomic_load(&pool.remaining) > 0) cpu_relax();
+            pthread_mutex_unlock(&pool.run);
+            return;
+        }
+        pthread_mutex_unlock(&pool.run);
+    }
+    task(args, 0, 1);
+}
+
+/* ---- int4 group-quantized GEMV for few rows (AWQ, GPTQ, GGUF Q4_0/Q4_1) --------------
+ * y[t, n] = sum_k (q[n, k] * s[n, k/G] + o[n, k/G]) * x[t, k], per group as
+ * s * sum(q * x) + o * sum(x): q [N, K/2] bytes with q[2j] in the low nibble of byte j and
+ * q[2j+1] in the high one, s and o [N, K/G] float32, x [rows, K], y [rows, N] in x's type.
+ *
+ * With AVX512-VNNI, sum(q * x) is an integer dot product (vpdpwssd, 16-bit pairs into
+ * 32-bit sums): each group of x is written as xi * 2^e with xi 16-bit integers and 2^e
+ * putting the group's largest |x| just under 2^15. That is exact for every value within
+ * 2^7 of the group's largest (all a bf16 x's significant bits fit) and off by at most
+ * 2^-16 of the largest for the rest. A float32 x gets a second 16-bit part for what the
+ * first leaves, which brings the error to 2^-31 of the group's largest: below float32
+ * rounding. The integer sums are exact (at most 32 * 15 * 2^15 < 2^24 per group), so
+ * the only other rounding is the float32 combination of groups.
+ * Without VNNI the same sums run as plain float32 loops.
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define INT4_VNNI 1
+typedef int16_t xpart_t;
+#else
+#define INT4_VNNI 0
+typedef float xpart_t;
+#endif
+
+typedef struct {
+    const uint8_t *q;
+    const float *s, *o;
+    const xpart_t *xp;    /* [rows][nparts][K]: the even elements of x, then the odd ones */
+    const float *xscale;  /* [rows][nparts][K/G]: 2^e of each part's group (VNNI) */
+    const float *xsum;    /* [rows][K/G] */
+    void *y;
+    int64_t rows, k, group, n, nparts, bf16_out;
+} int4_job;
+
+#define INT4_MAX_ROWS 32
+/* Rows ahead whose weights are prefetched: streaming SmolLM2's layers from memory on
+ * 2 cores went from ~4.3 to ~3.0 ms per pass with 4 (8-32 did no better). */
+#define INT4_PREFETCH_ROWS 4
+
+static inline void int4_store(const int4_job *j, int64_t t, int64_t r, float v) {
+    if (j->bf16_out)
+        ((uint16_t *)j->y)[t * j->n + r] = bf16_store(v);
+    else
+        ((float *)j->y)[t * j->n + r] = v;
+}
+
+#if INT4_VNNI
+static inline float hsum256(__m256 a) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+/* sum of a[i] * b[i] for any n (a masked tail) */
+static inline float dot_f32_tail(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* 32 weights of the row at `qr` from byte `at`: 16-bit low nibbles (wl) and high nibbles (wh) */
+#define INT4_UNPACK(qr, at, wl, wh)                                                              \
+    __m256i wl = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((qr) + (at))));        \
+    __m256i wh = _mm256_srli_epi16(wl, 4);                                                       \
+    wl = _mm256_and_si256(wl, low4)
+#define INT4_DOT(isum, wl, wh, xe, xo) isum = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(isum, wl, xe), wh, xo)
+
+/* Output rows r..r+3 for activation row t with NP (1 or 2, a constant at each call site)
+ * 16-bit parts of x; every accumulator is a named register. */
+static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, int64_t r, int64_t t, const int NP) {
+    const __m256i low4 = _mm256_set1_epi16(15);
+    int64_t k = j->k, half = k / 2, ng = k / j->group, sub = j->group / 32;
+    const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
+    const float *sc1 = j->xscale + t * NP * ng, *sc2 = sc1 + ng;
+    const uint8_t *q0 = j->q + r * half, *q1 = q0 + half, *q2 = q1 + half, *q3 = q2 + half;
+    const float *s0 = j->s + r * ng, *s1 = s0 + ng, *s2 = s1 + ng, *s3 = s2 + ng;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0;
+        __m256i k0 = i0, k1 = i0, k2 = i0, k3 = i0; /* second parts */
+        for (int64_t b = 0; b < sub; b++) {
+            int64_t at = (g * sub + b) * 16; /* byte offset in the row = offset in the even/odd halves */
+            if ((at & 63) == 0) { /* the same bytes of the next rows, ahead of their turn */
+                const uint8_t *ahead = q0 + INT4_PREFETCH_ROWS * half + at;
+                for (int m = 0; m < 4; m++) _mm_prefetch((const char *)(ahead + m * half), _MM_HINT_T0);
+            }
+            __m256i xe = _mm256_loadu_si256((const __m256i *)(x1 + at));
+            __m256i xo = _mm256_loadu_si256((const __m256i *)(x1 + half + at));
+            INT4_UNPACK(q0, at, l0, h0);
+            INT4_UNPACK(q1, at, l1, h1);
+            INT4_UNPACK(q2, at, l2, h2);
+            INT4_UNPACK(q3, at, l3, h3);
+            INT4_DOT(i0, l0, h0, xe, xo);
+            INT4_DOT(i1, l1, h1, xe, xo);
+            INT4_DOT(i2, l2, h2, xe, xo);
+            INT4_DOT(i3, l3, h3, xe, xo);
+            if (NP == 2) {
+                __m256i ye = _mm256_loadu_si256((const __m256i *)(x2 + at));
+                __m256i yo = _mm256_loadu_si256((const __m256i *)(x2 + half + at));
+                INT4_DOT(k0, l0, h0, ye, yo);
+                INT4_DOT(k1, l1, h1, ye, yo);
+                INT4_DOT(k2, l2, h2, ye, yo);
+                INT4_DOT(k3, l3, h3, ye, yo);
+            }
+        }
+        __m256 c1 = _mm256_set1_ps(sc1[g]);
+        __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(i0), c1), f1 = _mm256_mul_ps(_mm256_cvtepi32_ps(i1), c1);
+        __m256 f2 = _mm256_mul_ps(_mm256_cvtepi32_ps(i2), c1), f3 = _mm256_mul_ps(_mm256_cvtepi32_ps(i3), c1);
+        if (NP == 2) {
+            __m256 c2 = _mm256_set1_ps(sc2[g]);
+            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k0), c2, f0);
+            f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k1), c2, f1);
+            f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k2), c2, f2);
+            f3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k3), c2, f3);
+        }
+        a0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(s0[g]), a0);
+        a1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(s1[g]), a1);
+        a2 = _mm256_fmadd_ps(f2, _mm256_set1_ps(s2[g]), a2);
+        a3 = _mm256_fmadd_ps(f3, _mm256_set1_ps(s3[g]), a3);
+    }
+    const float *xs = j->xsum + t * ng, *o0 = j->o + r * ng;
+    int4_store(j, t, r, hsum256(a0) + dot_f32_tail(o0, xs, ng));
+    int4_store(j, t, r + 1, hsum256(a1) + dot_f32_tail(o0 + ng, xs, ng));
+    int4_store(j, t, r + 2, hsum256(a2) + dot_f32_tail(o0 + 2 * ng, xs, ng));
+    int4_store(j, t, r + 3, hsum256(a3) + dot_f32_tail(o0 + 3 * ng, xs, ng));
+}
+#endif
+
+static void int4_task(const void *args, int64_t part, int64_t parts) {
+    const int4_job *j = (const int4_job *)args;
+    /* the rows are cut in fours (N is a multiple of 4) */
+    int64_t quads = j->n / 4, lo = quads * part / parts * 4, hi = quads * (part + 1) / parts * 4;
+#if INT4_VNNI
+    for (int64_t r = lo; r < hi; r += 4)
+        for (int64_t t = 0; t < j->rows; t++) {
+            if (j->nparts == 1)
+                int4_rows4(j, r, t, 1);
+            else
+                int4_rows4(j, r, t, 2);
+        }
+#else
+    int64_t k = j->k, half = k / 2, ng = k / j->group;
+    for (int64_t r = lo; r < hi; r++) {
+        const uint8_t *qr = j->q + r * half;
+        const float *sr = j->s + r * ng;
+        for (int64_t t = 0; t < j->rows; t++) {
+            const float *xe = j->xp + t * k, *xo = xe + half;
+            float total = 0.0f;
+            for (int64_t g = 0; g < ng; g++) {
+                float lanes[16] = {0};
+                for (int64_t i = g * j->group / 2; i < (g + 1) * j->group / 2; i += 16)
+                    for (int e = 0; e < 16; e++)
+                        lanes[e] += (float)(qr[i + e] & 15) * xe[i + e] + (float)(qr[i + e] >> 4) * xo[i + e];
+                float sum = 0.0f;
+                for (int e = 0; e < 16; e++) sum += lanes[e];
+                total += sum * sr[g];
+            }
+            int4_store(j, t, r, total + dot_f32(j->o + r * ng, j->xsum + t * ng, ng));
+        }
+    }
+#endif
+}
+
+/* The group of x at xe[0..h-1] (its even elements) and xo[0..h-1] (its odd ones) as np
+ * 16-bit integer parts, written to out_e / out_o + p * part_stride, with 2^e per part in
+ * scale[p * scale_stride] (see above). */
+static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np, int16_t *out_e, int16_t *out_o,
+                        int64_t part_stride, float *scale, int64_t scale_stride) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < h; i++) {
+        float a = fabsf(xe[i]), b = fabsf(xo[i]);
+        amax = a > amax ? a : amax;
+        amax = b > amax ? b : amax;
+    }
+    int e = amax > 0.0f && isfinite(amax) ? ilogbf(amax) - 14 : 0; /* amax / 2^e in [2^14, 2^15) */
+    for (int64_t p = 0; p < np; p++) {
+        int ep = e - 15 * (int)p;
+        float up = ldexpf(1.0f, ep), down = ldexpf(1.0f, -ep); /* powers of two: products are exact */
+        scale[p * scale_stride] = up;
+        int16_t *oe = out_e + p * part_stride, *oo = out_o + p * part_stride;
+        for (int half = 0; half < 2; half++) {
+            float *src = (float *)(half ? xo : xe); /* the residual is kept in place for the next part */
+            int16_t *dst = half ? oo : oe;
+            for (int64_t i = 0; i < h; i++) {
+                float v = nearbyintf(src[i] * down);
+                v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+                dst[i] = (int16_t)v;
+                src[i] -= v * up; /* exact: v * 2^e is within 2^e of src[i] */
+            }
+        }
+    }
+}
+
+#define DEF_INT4_GEMM(SUF, T, LD, BF16_OUT)                                                                 \
+    int infer_int4_gemm_##SUF(const uint8_t *q, const float *s, const float *o, const T *x, int64_t xs,    \
+                              int64_t rows, int64_t k, int64_t group, T *y, int64_t n, int64_t threads) {    \
+        if (group % 32 || k % group || n % 4 || rows < 1 || rows > INT4_MAX_ROWS) return -1;               \
+        int64_t ng = k / group, half = k / 2;                                                               \
+        /* bf16 activations fit one 16-bit part (see above); float32 ones take two */                      \
+        int64_t np = INT4_VNNI ? (BF16_OUT ? 1 : 2) : 1;                                                    \
+        xpart_t *xp = (xpart_t *)malloc(sizeof(xpart_t) * rows * np * k);                                   \
+        float *xsum = (float *)malloc(sizeof(float) * rows * ng * (1 + np));                                \
+        float *xf = (float *)malloc(sizeof(float) * k);                                                     \
+        if (!xp || !xsum || !xf) {                                                                          \
+            free(xp); free(xsum); free(xf);                                                                 \
+            return -2;                                                                                      \
+        }                                                                                                   \
+        float *xscale = xsum + rows * ng;                                                                   \
+        for (int64_t t = 0; t < rows; t++) {                                                                \
+            const T *xr = x + t * xs;                                                                       \
+            for (int64_t i = 0; i < half; i++) { /* even elements first, then odd */                        \
+                xf[i] = LD(xr[2 * i]);                                                                      \
+                xf[half + i] = LD(xr[2 * i + 1]);                                                           \
+            }                                                                                               \
+            for (int64_t g = 0; g < ng; g++) {                                                              \
+                float sum = 0.0f;                                                                           \
+                for (int64_t i = g * group; i < (g + 1) * group; i++) sum += LD(xr[i]);                     \
+                xsum[t * ng + g] = sum;                                                                     \
+            }                                                                                               \
+            if (INT4_VNNI) {                                                                                \
+                int16_t *xt = (int16_t *)xp + t * np * k;                                                   \
+                for (int64_t g = 0; g < ng; g++) {                                                          \
+                    int64_t at = g * group / 2;                                                             \
+                    int16_parts(xf + at, xf + half + at, group / 2, np, xt + at, xt + half + at, k,          \
+                                xscale + t * np * ng + g, ng);                                              \
+                }                                                                                           \
+            } else {                                                                                        \
+                memcpy((float *)xp + t * k, xf, sizeof(float) * k);                                         \
+            }                                                                                               \
+        }                                                                                                   \
+        int4_job job = {q, s, o, xp, xscale, xsum, y, rows, k, group, n, np, BF16_OUT};                     \
+        int64_t parts = threads < 1 ? 1 : threads;                                                          \
+        if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;                                                \
+        pool_run(int4_task, &job, parts);                                                                   \
+        free(xp); free(xsum); free(xf);                                                                     \
+        return 0;                                                                                           \
+    }
+
 /* ---- int8 group-quantized GEMV (GGUF Q8_0) -----------------------------------------
  * y[t, n] = sum_k q[n, k] * scales[n, k / group] * x[t, k] for output rows n_lo <= n < n_hi:
  * q [N, K] int8, scales [N, K/group] float32, x [rows, K] (row stride xs), y [rows, N] float32.
@@ -372,29 +739,47 @@ static inline __m512 int8_group_dot(__m512 acc, const int8_t *q, const float *x,
     } while (0)
 #endif
 
+typedef struct {
+    const int8_t *q;
+    const float *scales, *xf;
+    float *y;
+    int64_t rows, k, group, n;
+} int8_job;
+
+static void int8_task(const void *args, int64_t part, int64_t parts) {
+    const int8_job *j = (const int8_job *)args;
+    int64_t ng = j->k / j->group, lo = j->n * part / parts, hi = j->n * (part + 1) / parts;
+    for (int64_t r = lo; r < hi; r++) {
+        const int8_t *qr = j->q + r * j->k;
+        const float *sr = j->scales + r * ng;
+        for (int64_t t = 0; t < j->rows; t++) {
+            const float *xr = j->xf + t * j->k;
+            INT8_ROW_DOT(qr, xr, sr, ng, j->group, j->y[t * j->n + r]);
+        }
+    }
+}
+
+/* Output rows are cut into `threads` parts run by the pool; small weights take one. */
 #define DEF_INT8_GEMV(SUF, T, LD)                                                                           \
     int infer_int8_gemv_##SUF(const int8_t *restrict q, const float *restrict scales, const T *restrict x, \
                               int64_t xs, int64_t rows, int64_t k, int64_t group, float *restrict y,        \
-                              int64_t n, int64_t n_lo, int64_t n_hi) {                                      \
+                              int64_t n, int64_t threads) {                                                 \
         if (group % 16 || k % group) return -1;                                                             \
         float *xf = (float *)malloc(sizeof(float) * rows * k);                                              \
         if (!xf) return -2;                                                                                 \
         for (int64_t t = 0; t < rows; t++)                                                                  \
             for (int64_t i = 0; i < k; i++) xf[t * k + i] = LD(x[t * xs + i]);                              \
-        int64_t ng = k / group;                                                                             \
-        for (int64_t r = n_lo; r < n_hi; r++) {                                                             \
-            const int8_t *qr = q + r * k;                                                                   \
-            const float *sr = scales + r * ng;                                                              \
-            for (int64_t t = 0; t < rows; t++) {                                                            \
-                const float *xr = xf + t * k;                                                               \
-                INT8_ROW_DOT(qr, xr, sr, ng, group, y[t * n + r]);                                          \
-            }                                                                                               \
-        }                                                                                                   \
+        int8_job job = {q, scales, xf, y, rows, k, group, n};                                               \
+        int64_t parts = threads < 1 ? 1 : threads;                                                          \
+        if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;                                                \
+        pool_run(int8_task, &job, parts);                                                                   \
         free(xf);                                                                                           \
         return 0;                                                                                           \
     }
 
 DEF_INT8_GEMV(f32, float, f32_load)
+DEF_INT4_GEMM(f32, float, f32_load, 0)
+DEF_INT4_GEMM(bf16, uint16_t, bf16_load, 1)
 DEF_INT8_GEMV(bf16, uint16_t, bf16_load)
 DEF_RMS_NORM(f32, float, f32_load, f32_store)
 DEF_RMS_NORM(bf16, uint16_t, bf16_load, bf16_store)

@@ -9,7 +9,6 @@ raises IndexError, as torch's indexing would.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -168,31 +167,9 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     return out
 
 
-# -- int8 group-quantized GEMV (GGUF Q8_0 at decode) ------------------------------
+# -- quantized GEMVs (few rows): the kernels split output rows across torch's thread count
+# on their own thread pool (native/kernels.c), which hands off in a microsecond or two.
 INT8_GEMV_MAX_ROWS = 4
-# Weights of at least this many values are split across torch's threads (ctypes
-# drops the GIL, so Python threads run the kernel in parallel); smaller ones
-# take one call, cheaper than a hand-off.
-SPLIT_MIN_VALUES = 1 << 22
-_pool = None
-
-
-def _forget_pool() -> None:
-    """A forked child has none of the parent's worker threads: it starts its own pool."""
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _executor():
-    global _pool
-    if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="infer-native")
-    return _pool
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
@@ -207,12 +184,29 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
         return None
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=torch.float32)
-    fn = _fn(lib, "int8_gemv", x.dtype)
-    head = (qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), x.stride(0), rows, k, group_size, y.data_ptr(), n)
-    parts = min(torch.get_num_threads(), 4) if n * k >= SPLIT_MIN_VALUES else 1
-    bounds = [n * i // parts for i in range(parts + 1)]
-    pending = [_executor().submit(fn, *head, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-    codes = [fn(*head, bounds[0], bounds[1])] + [f.result() for f in pending]
-    for rc in codes:
-        _check(rc, "int8 linear")
+    _check(_fn(lib, "int8_gemv", x.dtype)(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), x.stride(0), rows, k,
+                                          group_size, y.data_ptr(), n, torch.get_num_threads()), "int8 linear")
+    return y
+
+
+INT4_GEMM_MAX_ROWS = 32
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int):
+    """``x @ (q * scales + offsets).T`` in x's dtype for a few rows of x, split across torch's
+    thread count; None when the kernel does not apply."""
+    lib = _lib(x)
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[0] <= INT4_GEMM_MAX_ROWS:
+        return None
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    if (qweight.dtype != torch.uint8 or not qweight.is_cpu or not qweight.is_contiguous() or x.shape[1] != k
+            or group_size % 32 or k % group_size or n % 4 or scales.dtype != torch.float32 or offsets.dtype != torch.float32
+            or not (scales.is_contiguous() and offsets.is_contiguous())
+            or scales.shape != (n, k // group_size) or offsets.shape != scales.shape):
+        return None
+    rows = x.shape[0]
+    y = torch.empty((rows, n), dtype=x.dtype)
+    _check(_fn(lib, "int4_gemm", x.dtype)(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), x.data_ptr(),
+                                          x.stride(0), rows, k, group_size, y.data_ptr(), n, torch.get_num_threads()),
+           "int4 linear")
     return y
