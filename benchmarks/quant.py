@@ -53,6 +53,7 @@ def _median_ms(fn, min_s: float = 0.3) -> float:
 def linear_table(tokens: list[int]) -> list[dict]:
     from infer.backends.torch_native import linear as dense
     from infer.backends.torch_native import quant_linear as ql
+    from infer.backends.torch_native.native import ops as native
     from infer.core.loader.quant_gguf import to_handle
     from gguf import GGMLQuantizationType, quants
 
@@ -74,14 +75,17 @@ def linear_table(tokens: list[int]) -> list[dict]:
             xb = x.bfloat16()
             paths = {"fp32 dense": lambda: dense.linear(x, d32), "bf16 dense": lambda: dense.linear(xb, d16),
                      "fp32 dequant tiles": lambda: ql._linear_in_tiles(x, q32)}
-            if isinstance(q16.prepared, ql.Int4Packed):  # the scalar float32 kernel (never chosen)
-                pk = ql.Int4Packed(q16.prepared.packed, q16.prepared.scale_and_zeros.float())
+            packed = q16.prepared.packed if isinstance(q16.prepared, ql.Int4Prepared) else None
+            if packed is not None:  # the scalar float32 kernel (never chosen)
+                pk = ql.Int4Packed(packed.packed, packed.scale_and_zeros.float())
                 paths["int4 kernel fp32"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, pk.packed, q32.group_size, pk.scale_and_zeros)
-            if isinstance(q16.prepared, ql.Int4Packed):
-                pk16 = q16.prepared
                 paths["int4 kernel bf16"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    xb, pk16.packed, q16.group_size, pk16.scale_and_zeros)
+                    xb, packed.packed, q16.group_size, packed.scale_and_zeros)
+            fast = q16.prepared.native if isinstance(q16.prepared, ql.Int4Prepared) else None
+            if fast is not None and t <= native.INT4_GEMM_MAX_ROWS:
+                paths["native int4 fp32"] = lambda: native.int4_gemm_prepared(x, fast)
+                paths["native int4 bf16"] = lambda: native.int4_gemm_prepared(xb, fast)
             if isinstance(q16.prepared, ql.Int8Grouped):
                 paths["int8 group kernel bf16"] = lambda: ql._int8_grouped(xb, q16, q16.prepared)
             paths["bf16 dequant tiles"] = lambda: ql._linear_in_tiles(xb, q16)
@@ -105,8 +109,9 @@ def decode_one(quantization: str, dtype: str, tokens: int) -> dict:
     from infer.core.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
+    # max_model_len 512: the KV pool holds the context llama.cpp's row gets (n_ctx=512), not 8k.
     llm = LLM("smollm2", backend="torch", quantization=quantization, dtype=dtype, max_num_seqs=1,
-              kv_cache_memory=32 << 20, show_progress=False)
+              kv_cache_memory=32 << 20, max_model_len=512, show_progress=False)
     load_s = time.perf_counter() - t0
     prompt = "The history of the printing press begins"
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731

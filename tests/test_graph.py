@@ -31,6 +31,12 @@ def test_a_backend_that_fuses_a_node_gets_one_call_for_it(qwen3):
     prog = lower(qwen3, fuses=lambda op, attrs: op == "mlp")
     assert [c.primitive for c in prog.calls].count("fused_mlp") == 2
     assert "act_and_mul" not in {c.primitive for c in prog.calls}
+    # Each fused call keeps the primitives it stands for (what runs when the backend declines a step).
+    fused = next(c for c in prog.calls if c.primitive == "fused_mlp")
+    assert [e.primitive for e in fused.expansion] == ["linear", "act_and_mul", "linear"]
+    unfused = lower(qwen3)
+    assert [(c.primitive, c.inputs, c.outputs) for c in prog.primitive_calls()] == \
+        [(c.primitive, c.inputs, c.outputs) for c in unfused.calls]
 
 
 def test_params_say_how_they_shard_for_tensor_parallelism(qwen3):

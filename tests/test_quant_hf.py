@@ -246,3 +246,38 @@ def test_auto_keeps_int4_weights_in_float32_only_with_an_exact_kernel(tmp_path, 
               quantization="none")
     want = ref.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.parametrize("dtype,seqs", [("float32", 2), ("bfloat16", 1)])
+def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatch, dtype, seqs):
+    """The torch backend's native attention block and MLP (int4 weights, decode-sized steps)
+    run the kernels the nodes' primitives run, in the same order: the same tokens and the
+    same log-probabilities, bit for bit, as with the nodes expanded."""
+    from collections import Counter
+
+    from infer import LLM, SamplingParams
+    from infer.backends.torch_native import TorchBackend, fused, native
+    from infer.primitives.backend import Support
+
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    write_checkpoint(tmp_path, "awq")
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42] * 9}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def generate():
+        llm = LLM(str(tmp_path), backend="torch", dtype=dtype, skip_tokenizer_init=True, max_num_seqs=seqs)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return llm, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in out]
+
+    served = Counter()
+    for name in ("attention_block", "mlp"):  # fused.native: the kernels' Python side
+        real = getattr(fused.native, name)
+        monkeypatch.setattr(fused.native, name, lambda *a, _real=real, _name=name: served.update([_name]) or _real(*a))
+    llm, got = generate()
+    assert {c.primitive for c in llm.engine.runner.program.calls} >= {"fused_attention", "fused_mlp"}
+    assert served["attention_block"] >= 2 * 7 and served["mlp"] >= 2 * 7, served  # 2 layers, 7+ decode steps
+    monkeypatch.setattr(TorchBackend, "fuses", lambda self, op, **attrs: Support(False, "off for this test"))
+    llm, want = generate()
+    assert not any(c.primitive.startswith("fused_") for c in llm.engine.runner.program.calls)
+    assert got == want

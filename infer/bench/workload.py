@@ -111,8 +111,9 @@ def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> di
     def size(name: str) -> int:
         return int(np.prod(params[name].shape))
 
-    linears = {c.params["weight"]: c.outputs[0] == "logits" for c in runner.program.calls if c.primitive == "linear"}
-    norms = {c.params["weight"] for c in runner.program.calls if c.primitive == "rms_norm"}
+    calls = runner.program.primitive_calls()
+    linears = {c.params["weight"]: c.outputs[0] == "logits" for c in calls if c.primitive == "linear"}
+    norms = {c.params["weight"] for c in calls if c.primitive == "rms_norm"}
     itemsize = 4 if runner.dtype == "float32" else 2
     by_source = {p.sources: size(n) for n, p in params.items()}  # a tied LM head is the embedding: once
     layers, hd = config["num_hidden_layers"], config["head_dim"]
@@ -122,7 +123,7 @@ def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> di
     # An MoE layer runs top_k of its E experts per token: that share of the
     # expert weights is read per decode token and multiplied per prompt token.
     body += sum((size(c.params["w13"]) + size(c.params["w2"])) * c.attrs["top_k"] // params[c.params["w13"]].shape[0]
-                for c in runner.program.calls if c.primitive == "moe")
+                for c in calls if c.primitive == "moe")
     attn = 4 * layers * config["num_attention_heads"] * hd * (prefill_len + 1) / 2
     return dict(params=sum(by_source.values()), weight_bytes=sum(by_source.values()) * itemsize,
                 decode_bytes_per_token=(head + body + sum(size(n) for n in norms)) * itemsize + kv_per_token * decode_ctx,

@@ -27,12 +27,18 @@ class Call:
     attrs: dict[str, Any] = field(default_factory=dict)
     shapes: tuple[tuple, ...] = ()  # symbolic output shapes ("T" = flattened tokens)
     layer: int | None = None
+    # A fused call: the primitive calls it stands for (what runs when the backend declines a step).
+    expansion: tuple["Call", ...] = ()
 
 
 @dataclass
 class Program:
     graph: Graph
     calls: list[Call]
+
+    def primitive_calls(self) -> list[Call]:
+        """The calls with each fused call replaced by the primitives it stands for."""
+        return [e for c in self.calls for e in (c.expansion or (c,))]
 
     def dead_after(self, outputs: tuple[str, ...] = ("logits",)) -> list[tuple[str, ...]]:
         """For each call, the values no later call reads: freeing them as soon
@@ -63,8 +69,9 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
     for node in graph.nodes:
         if fuses(node.op, node.attrs):
             shape = _node_output_shape(graph, node)
+            expansion = tuple(_EXPANSIONS[node.op](graph, node)) if node.op in _EXPANSIONS else ()
             calls.append(Call(f"fused_{node.op}", node.name, node.inputs, node.outputs, node.params, node.attrs,
-                              (shape,) * len(node.outputs), node.layer))
+                              (shape,) * len(node.outputs), node.layer, expansion))
         elif node.op in _EXPANSIONS:
             calls.extend(_EXPANSIONS[node.op](graph, node))
         else:

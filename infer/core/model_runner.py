@@ -71,7 +71,7 @@ class ModelRunner:
         """Per-layer (k_scale, v_scale) from the checkpoint, 1.0 where it has none."""
         scales, found = [], 0
         for layer in range(self.program.graph.num_layers):
-            attn = next((c for c in self.program.calls if c.primitive == "linear" and c.layer == layer
+            attn = next((c for c in self.program.primitive_calls() if c.primitive == "linear" and c.layer == layer
                          and c.params.get("weight", "").endswith("qkv_proj")), None)
             source = self.program.graph.params[attn.params["weight"]].sources[0] if attn else ""
             prefix = source.rsplit(".", 2)[0] + "." if source.endswith("_proj.weight") else None
@@ -116,7 +116,7 @@ class ModelRunner:
         params = self.program.graph.params
         uses = Counter(src for p in params.values() for src in p.sources)
         built: dict[tuple[str, ...], Any] = {}  # tied parameters share one tensor
-        linears = [c for c in self.program.calls if c.primitive == "linear"]
+        linears = [c for c in self.program.primitive_calls() if c.primitive == "linear"]
         first = [n for c in linears for n in (c.params["weight"], c.params.get("bias")) if n]
         ops_of = {n.name: n.op for n in self.program.graph.nodes}
         self._fp8_params = {c.params["weight"] for c in linears if ops_of.get(c.node) in ("attention", "mlp")}
@@ -161,7 +161,7 @@ class ModelRunner:
             self._handles[key] = self.ops.prepare_weight(w)
         return self._handles[key]
 
-    def _rope_cache(self, rotary_dim: int):
+    def rope_cache(self, rotary_dim: int):
         if rotary_dim not in self._rope:
             table = cos_sin_cache(self.config.raw, rotary_dim, self.max_positions)
             self._rope[rotary_dim] = self.backend.asarray(table)
@@ -238,7 +238,7 @@ class ModelRunner:
             def run(env):
                 env[outs[0]] = env[ins[0]][env[ins[1]]]
         elif kind == "rotary":
-            cache, neox = self._rope_cache(a["rotary_dim"]), a["neox_style"]
+            cache, neox = self.rope_cache(a["rotary_dim"]), a["neox_style"]
             def run(env):
                 env[outs[0]], env[outs[1]] = fn(env[ins[0]], env[ins[1]], env[ins[2]], cache, neox)
         elif kind == "act_and_mul":
@@ -266,8 +266,24 @@ class ModelRunner:
         elif kind.startswith("fused_"):
             fn = getattr(self.backend, kind)
             params = {role: self.tensors[name] for role, name in c.params.items()}
+            for e in c.expansion:  # a linear's weight role gets the prepared handle `linear` reads
+                if e.primitive == "linear":
+                    role = next(r for r, name in c.params.items() if name == e.params["weight"])
+                    params[role] = self._linear_weight(e)
+            # What runs when the backend declines this step (NotImplemented); its temporaries go after.
+            expansion = [self._bind(e, ops) for e in c.expansion]
+            temporaries = tuple({o for e in c.expansion for o in e.outputs} - set(outs))
+            layer = c.layer
             def run(env):
-                result = fn(*(env[i] for i in ins), params=params, attrs=a, env=env, runner=self)
+                result = fn(*(env[i] for i in ins), params=params, attrs=a, env=env, runner=self, layer=layer)
+                if result is NotImplemented:
+                    if not expansion:
+                        raise RuntimeError(f"backend '{self.backend.name}' declined {kind} of {c.node}, which has no expansion")
+                    for step in expansion:
+                        step(env)
+                    for name in temporaries:
+                        env.pop(name, None)
+                    return
                 for o, r in zip(outs, result if len(outs) > 1 else (result,)):
                     env[o] = r
         else:

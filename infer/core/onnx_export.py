@@ -51,11 +51,12 @@ def to_onnx(program: Program, block_size: int = 16):
     for layer in range(g.num_layers):
         inputs.append(tensor(f"kv_cache.{layer}", dtype, [2] + cache_shape))
         version[f"kv_cache.{layer}"] = 0
-    rotary_dims = sorted({c.attrs["rotary_dim"] for c in program.calls if c.primitive == "rotary"})
+    calls = program.primitive_calls()  # a fused call is exported as the primitives it stands for
+    rotary_dims = sorted({c.attrs["rotary_dim"] for c in calls if c.primitive == "rotary"})
     for r in rotary_dims:
         inputs.append(tensor(f"cos_sin_cache.{r}", dtype, ["max_positions", r]))
 
-    for i, c in enumerate(program.calls):
+    for i, c in enumerate(calls):
         args = [read(x) for x in c.inputs]
         params = [c.params[k] for k in sorted(c.params, key=lambda k: (k != "weight" and k != "table", k))]
         attrs = {k: _attr(v) for k, v in c.attrs.items() if v is not None}

@@ -91,11 +91,15 @@ class Backend(ABC):
         return dtype != "float32"
 
     def fuses(self, node_op: str, **attrs: Any) -> Support:
-        """Whether this backend runs a whole graph node (e.g. 'attention_block') itself.
+        """Whether this backend runs a whole graph node (e.g. 'attention') itself.
 
         Lowering asks this before expanding a node into primitives; a backend
-        says yes by defining a method named ``fused_<node_op>``, whose
-        signature the node kind defines (see `infer.core.graph`).
+        says yes by defining a method named ``fused_<node_op>``. The runner
+        calls it with the node's inputs and keywords ``params`` (role -> the
+        parameter; a linear's weight role -> its prepared `WeightHandle`),
+        ``attrs``, ``env``, ``runner`` and ``layer``; it returns the node's
+        output, or ``NotImplemented`` to decline one step, which then runs the
+        node's primitives (``Call.expansion``) as if it had not been fused.
         """
         if callable(getattr(self, f"fused_{node_op}", None)):
             return Support(True)

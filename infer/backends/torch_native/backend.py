@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from ...primitives.backend import Support
 from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
-from . import collectives, native, ops, quant_linear
+from . import collectives, fused, native, ops, quant_linear
 from .attention import attention, kv_write, plan_attention
 from .moe import moe
 from .plumbing import TorchPlumbing
@@ -46,6 +49,18 @@ class TorchBackend(TorchPlumbing):
         # Q4_1 GGUF kept quantized decodes ~2x as fast as its dequantized float32 weights.
         cpu = str(self.device).split(":")[0] == "cpu"
         return super().keeps_quantized(dtype) or (cpu and native.library() is not None)
+
+    def fuses(self, node_op: str, **attrs: Any) -> Support:
+        # The native attention block and MLP (fused.py) on CPU; each step they cannot
+        # serve (see there) runs the node's primitives.
+        if node_op not in ("attention", "mlp"):
+            return Support(False, f"backend '{self.name}' fuses attention and mlp nodes only")
+        if str(self.device).split(":")[0] != "cpu" or native.library() is None:
+            return Support(False, f"the native kernels are not in use ({native.status()})")
+        return Support(True)
+
+    fused_attention = staticmethod(fused.attention)
+    fused_mlp = staticmethod(fused.mlp)
 
     def prepare_weight(self, weight: WeightHandle) -> WeightHandle:
         return quant_linear.prepare_any(weight)

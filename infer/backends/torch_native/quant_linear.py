@@ -67,6 +67,14 @@ class Int4Packed:
 
 
 @dataclass(frozen=True, slots=True)
+class Int4Prepared:
+    """``Int4GroupWeight.prepared``: what each int4 kernel reads (None where it does not apply)."""
+
+    packed: Int4Packed | None  # torch's kernel (half-precision activations, N % 16 == 0)
+    native: native.Int4Native | None  # the native GEMV
+
+
+@dataclass(frozen=True, slots=True)
 class Int8Grouped:
     """``Int8GroupWeight.prepared``: q as [K/G, N, G] and scales as [K/G, N] in the activation dtype."""
 
@@ -79,13 +87,16 @@ def prepare_weight(w: WeightHandle) -> WeightHandle:
     if w.prepared is not None or w.qweight.device.type != "cpu":
         return w
     dtype = _DTYPES[w.dtype]
-    if isinstance(w, Int4GroupWeight) and dtype in _HALF and w.out_features % 16 == 0 \
-            and w.group_size in INT4_KERNEL_GROUPS and w.in_features % w.group_size == 0:
-        q = torch.stack((w.qweight & 15, w.qweight >> 4), -1).view(w.out_features, -1).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        zeros = w.offsets + 8 * w.scales
-        sz = torch.stack((w.scales, zeros), -1).transpose(0, 1).contiguous().to(dtype)
-        return _replace(w, Int4Packed(packed, sz))
+    if isinstance(w, Int4GroupWeight):
+        packed = None
+        if dtype in _HALF and w.out_features % 16 == 0 and w.group_size in INT4_KERNEL_GROUPS \
+                and w.in_features % w.group_size == 0:
+            q = torch.stack((w.qweight & 15, w.qweight >> 4), -1).view(w.out_features, -1).to(torch.int32)
+            zeros = w.offsets + 8 * w.scales
+            sz = torch.stack((w.scales, zeros), -1).transpose(0, 1).contiguous().to(dtype)
+            packed = Int4Packed(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz)
+        fast = native.int4_prepare(w.qweight, w.scales, w.offsets, w.group_size)
+        return w if packed is None and fast is None else _replace(w, Int4Prepared(packed, fast))
     if isinstance(w, Int8GroupWeight) and dtype in _HALF and w.in_features % w.group_size == 0 \
             and not _native_int8(w):
         n, k, g = w.out_features, w.in_features, w.group_size
@@ -154,13 +165,15 @@ def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     t, p = x.shape[0], w.prepared
     if t == 0:
         return x.new_zeros(0, w.out_features)
-    if isinstance(w, Int4GroupWeight) and t <= (native.INT4_GEMM_MAX_ROWS if x.dtype == torch.float32 else 1):
-        y = native.int4_gemm(x, w.qweight, w.scales, w.offsets, w.group_size)
-        if y is not None:
+    if isinstance(p, Int4Prepared):
+        if p.native is not None and t <= (native.INT4_GEMM_MAX_ROWS if x.dtype == torch.float32 else 1):
+            y = native.int4_gemm_prepared(x, p.native)
+            if y is not None:
+                return y if w.bias is None else y + w.bias.to(x.dtype)
+        pk = p.packed
+        if pk is not None and t <= INT4_KERNEL_MAX_ROWS and x.dtype == pk.scale_and_zeros.dtype:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), pk.packed, w.group_size, pk.scale_and_zeros)
             return y if w.bias is None else y + w.bias.to(x.dtype)
-    if isinstance(p, Int4Packed) and t <= INT4_KERNEL_MAX_ROWS and x.dtype == p.scale_and_zeros.dtype:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), p.packed, w.group_size, p.scale_and_zeros)
-        return y if w.bias is None else y + w.bias.to(x.dtype)
     if isinstance(w, Int8GroupWeight) and t <= native.INT8_GEMV_MAX_ROWS:
         y = native.int8_gemv(x, w.qweight, w.scales, w.group_size)
         if y is not None:

@@ -41,11 +41,14 @@ _SIGNATURES = {
     "infer_rms_norm": (_P, _I, _P, _I, _P, _P, _I, _P, _I, _I, _I, _F),
     "infer_rotary": (_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, _I),
     "infer_silu_and_mul": (_P, _I, _P, _I, _I),
-    "infer_attention": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F),
-    "infer_attention_fp8": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F),
+    "infer_attention": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F, _I),
+    "infer_attention_fp8": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F, _I),
     "infer_kv_write_fp8": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _F),
     "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
     "infer_int4_gemm": (_P, _P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
+    "infer_attention_block": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, _I,
+                              _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _F, _I, _P, _I),
+    "infer_mlp": (_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I),
 }
 _TYPED = ("f32", "bf16")
 

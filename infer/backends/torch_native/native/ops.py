@@ -9,6 +9,7 @@ raises IndexError, as torch's indexing would.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -162,7 +163,8 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-              meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale)),
+              meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale),
+              torch.get_num_threads()),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
 
@@ -192,21 +194,103 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
 INT4_GEMM_MAX_ROWS = 32
 
 
-def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int):
-    """``x @ (q * scales + offsets).T`` in x's dtype for a few rows of x, split across torch's
-    thread count; None when the kernel does not apply."""
-    lib = _lib(x)
-    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[0] <= INT4_GEMM_MAX_ROWS:
+@dataclass(frozen=True, slots=True)
+class Int4Native:
+    """An int4 weight checked once for the native GEMV (the weight never changes, so a
+    decode step's calls only check x)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group: int
+    pointers: tuple[int, int, int]
+
+
+def int4_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int):
+    """The weight as the native GEMV reads it, or None when it cannot (see `int4_gemm`)."""
+    if library() is None:
         return None
     n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if (qweight.dtype != torch.uint8 or not qweight.is_cpu or not qweight.is_contiguous() or x.shape[1] != k
-            or group_size % 32 or k % group_size or n % 4 or scales.dtype != torch.float32 or offsets.dtype != torch.float32
+    if (qweight.dtype != torch.uint8 or not qweight.is_cpu or not qweight.is_contiguous() or n % 4
+            or group_size % 32 or k % group_size or scales.dtype != torch.float32 or offsets.dtype != torch.float32
             or not (scales.is_contiguous() and offsets.is_contiguous())
             or scales.shape != (n, k // group_size) or offsets.shape != scales.shape):
         return None
+    return Int4Native(qweight, scales, offsets, group_size, (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr()))
+
+
+def int4_gemm_prepared(x: torch.Tensor, w: Int4Native):
+    """``x @ (q * scales + offsets).T`` in x's dtype for up to INT4_GEMM_MAX_ROWS rows of x,
+    split across torch's thread count; None when the kernel does not apply to x."""
+    lib = _lib(x)
+    n, k = w.qweight.shape[0], 2 * w.qweight.shape[1]
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[0] <= INT4_GEMM_MAX_ROWS or x.shape[1] != k:
+        return None
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype)
-    _check(_fn(lib, "int4_gemm", x.dtype)(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), x.data_ptr(),
-                                          x.stride(0), rows, k, group_size, y.data_ptr(), n, torch.get_num_threads()),
-           "int4 linear")
+    _check(_fn(lib, "int4_gemm", x.dtype)(*w.pointers, x.data_ptr(), x.stride(0), rows, k, w.group, y.data_ptr(), n,
+                                          torch.get_num_threads()), "int4 linear")
     return y
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int):
+    """`int4_gemm_prepared` for a weight not prepared beforehand."""
+    w = int4_prepare(qweight, scales, offsets, group_size)
+    return None if w is None else int4_gemm_prepared(x, w)
+
+
+# -- a decode step's attention block and MLP in one call each (int4 weights) -----------------
+def _int4_rows(x: torch.Tensor) -> bool:
+    """Rows the int4 GEMV serves: float32 up to INT4_GEMM_MAX_ROWS, bfloat16 one (see quant_linear)."""
+    limit = INT4_GEMM_MAX_ROWS if x.dtype == torch.float32 else 1
+    return x.dim() == 2 and x.is_contiguous() and 0 < x.shape[0] <= min(limit, SILU_MAX_ROWS)
+
+
+def attention_block(x: torch.Tensor, positions: torch.Tensor, qkv: Int4Native, o: Int4Native, cos_sin: torch.Tensor,
+                    neox_style: bool, kv_cache: torch.Tensor, meta, heads: tuple[int, int, int], scale: float,
+                    window: int | None, work: int):
+    """The attention node (qkv projection, rotary, kv_write, attention, o projection) for the
+    rows of x; None when the kernels do not apply. `heads` is (query heads, KV heads, head_dim)."""
+    lib = _lib(x)
+    if lib is None or not _int4_rows(x) or work > MAX_ATTENTION_WORK:
+        return None
+    hq, hk, d = heads
+    rows, hidden = x.shape
+    if (kv_cache.dtype != x.dtype or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.shape[-2:] != (hk, d)
+            or qkv.qweight.shape != ((hq + 2 * hk) * d, hidden // 2) or o.qweight.shape != (hidden, hq * d // 2)):
+        return None
+    rot = cos_sin.shape[1]
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or rot > d or rot % 2:
+        return None
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,):
+        return None
+    bt, qsl, seq, slots = meta.block_table, meta.query_start_loc, meta.seq_lens, meta.slot_mapping
+    if any(t.dtype != torch.int32 or not t.is_cpu for t in (bt, qsl, seq)) or bt.dim() != 2 or bt.stride(1) != 1:
+        return None
+    if not (qsl.is_contiguous() and seq.is_contiguous()) or slots.dtype != torch.int64 or slots.shape != (rows,) \
+            or not slots.is_contiguous():
+        return None
+    out = torch.empty((rows, hidden), dtype=x.dtype)
+    _, nblocks, bs = kv_cache.shape[:3]
+    _check(_fn(lib, "attention_block", x.dtype)(
+        x.data_ptr(), rows, hidden, *qkv.pointers, qkv.group, *o.pointers, o.group, positions.data_ptr(),
+        cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(), nblocks, bs, hq, hk, d,
+        slots.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1], qsl.data_ptr(), seq.data_ptr(), seq.shape[0],
+        scale, window or 0, out.data_ptr(), torch.get_num_threads()),
+        "attention block: a position, slot or block is outside its table")
+    return out
+
+
+def mlp(x: torch.Tensor, gate_up: Int4Native, down: Int4Native):
+    """The SwiGLU MLP node for the rows of x; None when the kernels do not apply."""
+    lib = _lib(x)
+    if lib is None or not _int4_rows(x):
+        return None
+    rows, hidden = x.shape
+    inter = down.qweight.shape[1] * 2
+    if gate_up.qweight.shape != (2 * inter, hidden // 2) or down.qweight.shape[0] != hidden:
+        return None
+    out = torch.empty((rows, hidden), dtype=x.dtype)
+    _check(_fn(lib, "mlp", x.dtype)(x.data_ptr(), rows, hidden, inter, *gate_up.pointers, gate_up.group,
+                                    *down.pointers, down.group, out.data_ptr(), torch.get_num_threads()), "mlp")
+    return out
