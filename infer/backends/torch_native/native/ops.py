@@ -143,7 +143,12 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
               work: int, kv_scales: tuple[float, float] | None = None):
     """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller
-    plans it once a step). An fp8 (uint8) cache takes `kv_scales`."""
+    plans it once a step). An fp8 (uint8) cache takes `kv_scales`.
+
+    One thread: between torch ops that use OpenMP, the kernels' pool and torch's spinning
+    OpenMP threads take each other's cores (a dense float32 SmolLM2 decoded at ~25 tok/s
+    with the attention split across 2 threads, ~37 without). `attention_block`, where no
+    torch op runs between the kernels, splits it."""
     lib = _lib(q)
     fp8 = kv_cache.dtype == torch.uint8
     if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
@@ -164,7 +169,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
               meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale),
-              torch.get_num_threads()),
+              1),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
 
