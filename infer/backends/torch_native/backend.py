@@ -7,7 +7,7 @@ from typing import Any
 from ...primitives.backend import Support
 from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
 from . import collectives, fused, native, ops, quant_linear
-from .attention import attention, kv_write, plan_attention
+from .attention import attention, kv_write, lazy_plan
 from .moe import moe
 from .plumbing import TorchPlumbing
 from .sampling import sample
@@ -39,9 +39,9 @@ class TorchBackend(TorchPlumbing):
 
     # -- plumbing -------------------------------------------------------------
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Device copies of the step's metadata plus its attention plan, built once on the host."""
+        """Device copies of the step's metadata plus its attention plan (built on the host when first needed)."""
         out = super().prepare_metadata(meta)
-        out.backend_data = plan_attention(meta.query_start_loc, meta.seq_lens).to(self.device)
+        out.backend_data = lazy_plan(meta.query_start_loc, meta.seq_lens, self.device)
         return out
 
     def keeps_quantized(self, dtype: str) -> bool:
