@@ -287,6 +287,27 @@ def test_int4_gemm_equals_the_dequantized_weight_product(monkeypatch, dtype, row
     assert want[:, 5].abs().min() > 0  # the scale-0 row (offsets only) is in the bounds above
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_gemm_reads_float16_copies_of_float16_scales_to_the_same_result(monkeypatch, dtype, group):
+    """Scales and offsets that are float16 values (GGUF's d and m) are read from float16
+    copies where the build can: the same numbers, so the same result, bit for bit."""
+    qweight, scales, offsets, _ = _int4(64, 256, group, seed=4)
+    scales, offsets = scales.half().float(), offsets.half().float()
+    x = torch.randn(3, 256).to(dtype)
+    fast = nops.int4_prepare(qweight, scales, offsets, group)
+    if not native.library().infer_int4_half_scales():
+        pytest.skip("this build has no float16 path (no AVX512-VNNI)")
+    assert fast.scales.dtype == torch.float16 and fast.args[4] == 1
+    got = nops.int4_gemm_prepared(x, fast)
+    monkeypatch.setattr(nops, "_half_copy", lambda t: None)
+    plain = nops.int4_prepare(qweight, scales, offsets, group)
+    assert plain.scales.dtype == torch.float32 and plain.args[4] == 0
+    assert torch.equal(got, nops.int4_gemm_prepared(x, plain))
+    offsets[0, 0] = 1 / 3  # not a float16 value: the float32 arrays are read
+    assert nops.int4_prepare(qweight, scales, offsets, group).args[4] == 0
+
+
 def test_int4_gemm_runs_the_same_on_any_number_of_threads(monkeypatch):
     qweight, scales, offsets, _ = _int4(4 * 97, 256, 32, seed=3)
     x = torch.randn(2, 256)

@@ -45,10 +45,10 @@ _SIGNATURES = {
     "infer_attention_fp8": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F, _I),
     "infer_kv_write_fp8": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _F),
     "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
-    "infer_int4_gemm": (_P, _P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
-    "infer_attention_block": (_P, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, _I,
-                              _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _F, _I, _P, _I),
-    "infer_mlp": (_P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I),
+    "infer_int4_gemm": (_P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
+    "infer_attention_block": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I,
+                              _I, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _F, _I, _P, _I),
+    "infer_mlp": (_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _I),
 }
 _TYPED = ("f32", "bf16")
 
@@ -103,6 +103,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             fn.argtypes, fn.restype = args, ctypes.c_int
     lib.infer_kv_write.argtypes = (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I)
     lib.infer_kv_write.restype = ctypes.c_int
+    lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
     return lib, f"built ({path})"
 
 

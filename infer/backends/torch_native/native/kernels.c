@@ -588,15 +588,18 @@ typedef float xpart_t;
 
 typedef struct {
     const uint8_t *q;
-    const float *s, *o;
+    const void *s, *o;    /* float32, or float16 with half_scales (the VNNI build; see infer_int4_gemm) */
     const xpart_t *xp;    /* [rows][nparts][K]: the even elements of x, then the odd ones */
     const float *xscale;  /* [rows][nparts][K/G]: 2^e of each part's group (VNNI) */
     const float *xsum;    /* [rows][K/G] */
     void *y;
-    int64_t rows, k, group, n, nparts, bf16_out;
+    int64_t rows, k, group, n, nparts, bf16_out, half_scales;
 } int4_job;
 
 #define INT4_MAX_ROWS 32
+
+/* 1 when infer_int4_gemm reads float16 scales and offsets (f16 = 1): the VNNI build */
+int infer_int4_half_scales(void) { return INT4_VNNI; }
 /* Rows ahead whose weights are prefetched: streaming SmolLM2's layers from memory on
  * 2 cores went from ~4.3 to ~3.0 ms per pass with 4 (8-32 did no better). */
 #define INT4_PREFETCH_ROWS 4
@@ -627,6 +630,19 @@ static inline float dot_f32_tail(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* the same with a in float16 */
+static inline float dot_f16_tail(const uint16_t *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(a + i))), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, a + i)), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* 32 weights of the row at `qr` from byte `at`: 16-bit low nibbles (wl) and high nibbles (wh) */
 #define INT4_UNPACK(qr, at, wl, wh)                                                              \
     __m256i wl = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((qr) + (at))));        \
@@ -636,13 +652,15 @@ static inline float dot_f32_tail(const float *a, const float *b, int64_t n) {
 
 /* Output rows r..r+3 for activation row t with NP (1 or 2, a constant at each call site)
  * 16-bit parts of x; every accumulator is a named register. */
-static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, int64_t r, int64_t t, const int NP) {
+static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, int64_t r, int64_t t, const int NP,
+                                                             const int G32, const int HALF) {
     const __m256i low4 = _mm256_set1_epi16(15);
-    int64_t k = j->k, half = k / 2, ng = k / j->group, sub = j->group / 32;
+    int64_t k = j->k, half = k / 2, ng = k / j->group, sub = G32 ? 1 : j->group / 32; /* G32: groups of 32 */
     const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
     const float *sc1 = j->xscale + t * NP * ng, *sc2 = sc1 + ng;
     const uint8_t *q0 = j->q + r * half, *q1 = q0 + half, *q2 = q1 + half, *q3 = q2 + half;
-    const float *s0 = j->s + r * ng, *s1 = s0 + ng, *s2 = s1 + ng, *s3 = s2 + ng;
+    int64_t s0 = r * ng, s1 = s0 + ng, s2 = s1 + ng, s3 = s2 + ng;
+#define INT4_SCALE(i) (HALF ? _cvtsh_ss(((const uint16_t *)j->s)[i]) : ((const float *)j->s)[i])
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t g = 0; g < ng; g++) {
         __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0;
@@ -682,16 +700,20 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
             f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k2), c2, f2);
             f3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k3), c2, f3);
         }
-        a0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(s0[g]), a0);
-        a1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(s1[g]), a1);
-        a2 = _mm256_fmadd_ps(f2, _mm256_set1_ps(s2[g]), a2);
-        a3 = _mm256_fmadd_ps(f3, _mm256_set1_ps(s3[g]), a3);
+        a0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(INT4_SCALE(s0 + g)), a0);
+        a1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(INT4_SCALE(s1 + g)), a1);
+        a2 = _mm256_fmadd_ps(f2, _mm256_set1_ps(INT4_SCALE(s2 + g)), a2);
+        a3 = _mm256_fmadd_ps(f3, _mm256_set1_ps(INT4_SCALE(s3 + g)), a3);
     }
-    const float *xs = j->xsum + t * ng, *o0 = j->o + r * ng;
-    int4_store(j, t, r, hsum256(a0) + dot_f32_tail(o0, xs, ng));
-    int4_store(j, t, r + 1, hsum256(a1) + dot_f32_tail(o0 + ng, xs, ng));
-    int4_store(j, t, r + 2, hsum256(a2) + dot_f32_tail(o0 + 2 * ng, xs, ng));
-    int4_store(j, t, r + 3, hsum256(a3) + dot_f32_tail(o0 + 3 * ng, xs, ng));
+#undef INT4_SCALE
+    const float *xs = j->xsum + t * ng;
+#define INT4_OFFSETS(m) (HALF ? dot_f16_tail((const uint16_t *)j->o + (r + m) * ng, xs, ng) \
+                              : dot_f32_tail((const float *)j->o + (r + m) * ng, xs, ng))
+    int4_store(j, t, r, hsum256(a0) + INT4_OFFSETS(0));
+    int4_store(j, t, r + 1, hsum256(a1) + INT4_OFFSETS(1));
+    int4_store(j, t, r + 2, hsum256(a2) + INT4_OFFSETS(2));
+    int4_store(j, t, r + 3, hsum256(a3) + INT4_OFFSETS(3));
+#undef INT4_OFFSETS
 }
 #endif
 
@@ -702,16 +724,21 @@ static void int4_task(const void *args, int64_t part, int64_t parts) {
 #if INT4_VNNI
     for (int64_t r = lo; r < hi; r += 4)
         for (int64_t t = 0; t < j->rows; t++) {
-            if (j->nparts == 1)
-                int4_rows4(j, r, t, 1);
-            else
-                int4_rows4(j, r, t, 2);
+            if (j->half_scales && j->group == 32) {
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 1) : int4_rows4(j, r, t, 2, 1, 1);
+            } else if (j->half_scales) {
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 1) : int4_rows4(j, r, t, 2, 0, 1);
+            } else if (j->group == 32) {
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 0) : int4_rows4(j, r, t, 2, 1, 0);
+            } else {
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 0) : int4_rows4(j, r, t, 2, 0, 0);
+            }
         }
 #else
     int64_t k = j->k, half = k / 2, ng = k / j->group;
     for (int64_t r = lo; r < hi; r++) {
         const uint8_t *qr = j->q + r * half;
-        const float *sr = j->s + r * ng;
+        const float *sr = (const float *)j->s + r * ng;
         for (int64_t t = 0; t < j->rows; t++) {
             const float *xe = j->xp + t * k, *xo = xe + half;
             float total = 0.0f;
@@ -724,7 +751,7 @@ static void int4_task(const void *args, int64_t part, int64_t parts) {
                 for (int e = 0; e < 16; e++) sum += lanes[e];
                 total += sum * sr[g];
             }
-            int4_store(j, t, r, total + dot_f32(j->o + r * ng, j->xsum + t * ng, ng));
+            int4_store(j, t, r, total + dot_f32((const float *)j->o + r * ng, j->xsum + t * ng, ng));
         }
     }
 #endif
@@ -761,9 +788,11 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
 }
 
 #define DEF_INT4_GEMM(SUF, T, LD, BF16_OUT)                                                                 \
-    int infer_int4_gemm_##SUF(const uint8_t *q, const float *s, const float *o, const T *x, int64_t xs,    \
-                              int64_t rows, int64_t k, int64_t group, T *y, int64_t n, int64_t threads) {    \
+    int infer_int4_gemm_##SUF(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16,   \
+                              const T *x, int64_t xs, int64_t rows, int64_t k, T *y, int64_t n,              \
+                              int64_t threads) {                                                              \
         if (group % 32 || k % group || n % 4 || rows < 1 || rows > INT4_MAX_ROWS) return -1;               \
+        if (f16 && !INT4_VNNI) return -3;                                                                   \
         int64_t ng = k / group, half = k / 2;                                                               \
         /* bf16 activations fit one 16-bit part (see above); float32 ones take two */                      \
         int64_t np = INT4_VNNI ? (BF16_OUT ? 1 : 2) : 1;                                                    \
@@ -797,7 +826,7 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
                 memcpy((float *)xp + t * k, xf, sizeof(float) * k);                                         \
             }                                                                                               \
         }                                                                                                   \
-        int4_job job = {q, s, o, xp, xscale, xsum, y, rows, k, group, n, np, BF16_OUT};                     \
+        int4_job job = {q, s, o, xp, xscale, xsum, y, rows, k, group, n, np, BF16_OUT, f16};                     \
         int64_t parts = threads < 1 ? 1 : threads;                                                          \
         if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;                                                \
         pool_run(int4_task, &job, parts);                                                                   \
@@ -909,12 +938,13 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
  *   attention block: qkv = x @ Wqkv (int4) -> rotary(q, k) -> kv_write(k, v) -> attention(q)
  *                    -> out = o @ Wo (int4);
  *   MLP:             out = silu_and_mul(x @ Wgate_up) @ Wdown (int4 both).
- * An int4 weight is (q, scales, offsets, group) as in infer_int4_gemm.
+ * An int4 weight is (q, scales, offsets, group, half) as in infer_int4_gemm.
  */
 #define DEF_FUSED(SUF, T)                                                                                   \
     int infer_attention_block_##SUF(const T *x, int64_t rows, int64_t hidden, const uint8_t *wq,           \
-                                    const float *sq, const float *oq, int64_t gq, const uint8_t *wo,        \
-                                    const float *so, const float *oo, int64_t go, const int64_t *positions,  \
+                                    const void *sq, const void *oq, int64_t gq, int64_t fq, const uint8_t *wo, \
+                                    const void *so, const void *oo, int64_t go, int64_t fo,                 \
+                                    const int64_t *positions,                                               \
                                     const float *cos_sin, int64_t npos, int64_t rot, int neox, T *cache,     \
                                     int64_t nblocks, int64_t bs, int64_t hq, int64_t hk, int64_t d,          \
                                     const int64_t *slots, const int32_t *block_table, int64_t bt_stride,     \
@@ -924,7 +954,7 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
         T *qkv = (T *)malloc(sizeof(T) * rows * (nqkv + nqk + hq * d));                                     \
         if (!qkv) return -2;                                                                                \
         T *rotated = qkv + rows * nqkv, *att = rotated + rows * nqk;                                        \
-        int rc = infer_int4_gemm_##SUF(wq, sq, oq, x, hidden, rows, hidden, gq, qkv, nqkv, threads);        \
+        int rc = infer_int4_gemm_##SUF(wq, sq, oq, gq, fq, x, hidden, rows, hidden, qkv, nqkv, threads);     \
         if (rc == 0)                                                                                        \
             rc = infer_rotary_##SUF(qkv, nqkv, d, hq, qkv + hq * d, nqkv, d, hk, positions, cos_sin, npos,  \
                                     rot, neox, rotated, rows, d);                                           \
@@ -935,19 +965,19 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
             rc = infer_attention_##SUF(rotated, nqk, d, rows, hq, cache, nblocks, bs, hk, d, block_table,   \
                                        bt_stride, bt_width, qsl, seq_lens, nseq, scale, window, att, 1.0f,   \
                                        1.0f, threads);                                                      \
-        if (rc == 0) rc = infer_int4_gemm_##SUF(wo, so, oo, att, hq * d, rows, hq * d, go, out, hidden, threads); \
+        if (rc == 0) rc = infer_int4_gemm_##SUF(wo, so, oo, go, fo, att, hq * d, rows, hq * d, out, hidden, threads); \
         free(qkv);                                                                                          \
         return rc;                                                                                          \
     }                                                                                                       \
     int infer_mlp_##SUF(const T *x, int64_t rows, int64_t hidden, int64_t inter, const uint8_t *wg,         \
-                        const float *sg, const float *og, int64_t gg, const uint8_t *wd, const float *sd,    \
-                        const float *od, int64_t gd, T *out, int64_t threads) {                              \
+                        const void *sg, const void *og, int64_t gg, int64_t fg, const uint8_t *wd,           \
+                        const void *sd, const void *od, int64_t gd, int64_t fd, T *out, int64_t threads) {   \
         T *gate_up = (T *)malloc(sizeof(T) * rows * 3 * inter);                                             \
         if (!gate_up) return -2;                                                                            \
         T *act = gate_up + rows * 2 * inter;                                                                \
-        int rc = infer_int4_gemm_##SUF(wg, sg, og, x, hidden, rows, hidden, gg, gate_up, 2 * inter, threads); \
+        int rc = infer_int4_gemm_##SUF(wg, sg, og, gg, fg, x, hidden, rows, hidden, gate_up, 2 * inter, threads); \
         if (rc == 0) rc = infer_silu_and_mul_##SUF(gate_up, 2 * inter, act, rows, inter);                   \
-        if (rc == 0) rc = infer_int4_gemm_##SUF(wd, sd, od, act, inter, rows, inter, gd, out, hidden, threads); \
+        if (rc == 0) rc = infer_int4_gemm_##SUF(wd, sd, od, gd, fd, act, inter, rows, inter, out, hidden, threads); \
         free(gate_up);                                                                                      \
         return rc;                                                                                          \
     }

@@ -202,18 +202,26 @@ INT4_GEMM_MAX_ROWS = 32
 @dataclass(frozen=True, slots=True)
 class Int4Native:
     """An int4 weight checked once for the native GEMV (the weight never changes, so a
-    decode step's calls only check x)."""
+    decode step's calls only check x). Where the scales and offsets are float16 values
+    (GGUF's d and m are) the kernel reads float16 copies: the weight streams from memory
+    in 0.625 bytes per value instead of 0.75."""
 
     qweight: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor  # float32, or its float16 copy
     offsets: torch.Tensor
-    group: int
-    pointers: tuple[int, int, int]
+    args: tuple[int, int, int, int, int]  # qweight, scales, offsets pointers, group size, float16 (0/1)
+
+
+def _half_copy(t: torch.Tensor) -> torch.Tensor | None:
+    """t as float16 when that is exact (finite, no value rounded), else None."""
+    h = t.to(torch.float16)
+    return h if torch.equal(h.float(), t) else None
 
 
 def int4_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int):
     """The weight as the native GEMV reads it, or None when it cannot (see `int4_gemm`)."""
-    if library() is None:
+    lib = library()
+    if lib is None:
         return None
     n, k = qweight.shape[0], 2 * qweight.shape[1]
     if (qweight.dtype != torch.uint8 or not qweight.is_cpu or not qweight.is_contiguous() or n % 4
@@ -221,7 +229,11 @@ def int4_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
             or not (scales.is_contiguous() and offsets.is_contiguous())
             or scales.shape != (n, k // group_size) or offsets.shape != scales.shape):
         return None
-    return Int4Native(qweight, scales, offsets, group_size, (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr()))
+    halves = (_half_copy(scales), _half_copy(offsets)) if lib.infer_int4_half_scales() else (None, None)
+    if halves[0] is not None and halves[1] is not None:
+        scales, offsets = halves
+    f16 = int(scales.dtype == torch.float16)
+    return Int4Native(qweight, scales, offsets, (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, f16))
 
 
 def int4_gemm_prepared(x: torch.Tensor, w: Int4Native):
@@ -233,7 +245,7 @@ def int4_gemm_prepared(x: torch.Tensor, w: Int4Native):
         return None
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype)
-    _check(_fn(lib, "int4_gemm", x.dtype)(*w.pointers, x.data_ptr(), x.stride(0), rows, k, w.group, y.data_ptr(), n,
+    _check(_fn(lib, "int4_gemm", x.dtype)(*w.args, x.data_ptr(), x.stride(0), rows, k, y.data_ptr(), n,
                                           torch.get_num_threads()), "int4 linear")
     return y
 
@@ -278,7 +290,7 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, qkv: Int4Native, o
     out = torch.empty((rows, hidden), dtype=x.dtype)
     _, nblocks, bs = kv_cache.shape[:3]
     _check(_fn(lib, "attention_block", x.dtype)(
-        x.data_ptr(), rows, hidden, *qkv.pointers, qkv.group, *o.pointers, o.group, positions.data_ptr(),
+        x.data_ptr(), rows, hidden, *qkv.args, *o.args, positions.data_ptr(),
         cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(), nblocks, bs, hq, hk, d,
         slots.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1], qsl.data_ptr(), seq.data_ptr(), seq.shape[0],
         scale, window or 0, out.data_ptr(), torch.get_num_threads()),
@@ -296,6 +308,6 @@ def mlp(x: torch.Tensor, gate_up: Int4Native, down: Int4Native):
     if gate_up.qweight.shape != (2 * inter, hidden // 2) or down.qweight.shape[0] != hidden:
         return None
     out = torch.empty((rows, hidden), dtype=x.dtype)
-    _check(_fn(lib, "mlp", x.dtype)(x.data_ptr(), rows, hidden, inter, *gate_up.pointers, gate_up.group,
-                                    *down.pointers, down.group, out.data_ptr(), torch.get_num_threads()), "mlp")
+    _check(_fn(lib, "mlp", x.dtype)(x.data_ptr(), rows, hidden, inter, *gate_up.args, *down.args, out.data_ptr(),
+                                    torch.get_num_threads()), "mlp")
     return out
