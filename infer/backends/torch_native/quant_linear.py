@@ -22,11 +22,11 @@ shapes; `python benchmarks/quant.py --part linear --threads 1`):
   ~14x slower than the dense GEMV at decode for int4, but ~0.8x dense at
   T=256 and the exact float32 path. For bfloat16 the tiles are dequantized
   to bfloat16 and multiplied by oneDNN's bf16 GEMM (1.4-1.6x fp32 dense at T=256).
-
 * The native int4 GEMV (native/kernels.c: integer dot products of the
   nibbles with x written as 16-bit integers per group, exact to float32
-  rounding) on SmolLM2's layers streamed from memory, 2 threads: ~3 ms per
-  pass of all 30 layers (torch's int4 kernel in the same flow: ~4.5 ms); at
+  rounding; float16 copies of float16 scales) on SmolLM2's layers streamed
+  from memory, 2 threads: ~3 ms per pass of all 30 layers (torch's int4
+  kernel in the same flow: ~4.5 ms); at
   T=1, in cache: gate_up 41 us against torch's 54, down 22 against 33. It
   redoes the integer work per row of x (the weights stay in L1), so with bf16
   it serves one row (T=2 already lost to torch's kernel) and with float32 up
