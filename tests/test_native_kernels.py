@@ -308,6 +308,26 @@ def test_int4_gemm_reads_float16_copies_of_float16_scales_to_the_same_result(mon
     assert nops.int4_prepare(qweight, scales, offsets, group).args[4] == 0
 
 
+def test_int4_gemm_keeps_tiny_activations_and_declines_inf_and_nan():
+    """Groups of x far below 1 (SiLU of a very negative gate gives ~1e-36) keep float32
+    accuracy; an x with inf or nan is declined, so torch's arithmetic decides what comes out."""
+    qweight, scales, offsets, w = _int4(16, 256, 32, seed=5)
+    g = torch.Generator().manual_seed(5)
+    for tiny in (1e-30, 1e-36, 1e-40):  # the last is below float32's normal range
+        x = torch.randn(3, 256, generator=g)
+        x[0] *= tiny
+        x[1, ::3] = 0.0
+        x[1, 1::3] *= tiny
+        got = nops.int4_gemm(x, qweight, scales, offsets, 32).double()
+        want = x.double() @ w.t()
+        scale = x.double().abs() @ w.abs().t()
+        assert ((got - want).abs() <= 1e-6 * scale + 2**-140).all(), tiny
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[1, 7] = bad
+        assert nops.int4_gemm(y, qweight, scales, offsets, 32) is None
+
+
 def test_int4_gemm_runs_the_same_on_any_number_of_threads(monkeypatch):
     qweight, scales, offsets, _ = _int4(4 * 97, 256, 32, seed=3)
     x = torch.randn(2, 256)

@@ -3,7 +3,9 @@
  * At decode sizes a torch op costs a few microseconds of dispatch whatever its
  * work, and one primitive is 5-10 ops; each function below does one primitive
  * in one pass over memory. Built by native/__init__.py with -ffp-contract=off,
- * so every product is rounded before it is added, as torch's unfused ops do.
+ * so every product is rounded before it is added, as torch's unfused ops do
+ * (attention and the GEMVs use explicit FMAs: they are held to float32 rounding,
+ * not to torch's bits).
  *
  * Element types: 0 = float32, 1 = bfloat16 (stored as uint16, widened to float32
  * for arithmetic, rounded to nearest even once per stored value, as torch does).
@@ -110,11 +112,12 @@ static struct {
     pthread_cond_t wake;
     int started;
     uint64_t first_job[POOL_MAX]; /* the generation each worker started at */
+    /* A seqlock: odd while the caller writes a job's fields, even once it is posted. */
     _Atomic uint64_t generation;
-    _Atomic int remaining, sleeping;
-    pool_task task;
-    const void *args;
-    int64_t parts;
+    _Atomic int remaining, sleeping; /* remaining: parts still running (the caller's excluded) */
+    _Atomic(pool_task) task;
+    _Atomic(const void *) args;
+    _Atomic int64_t parts;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static inline void cpu_relax(void) {
@@ -135,22 +138,31 @@ static void *pool_worker(void *arg) {
     for (;;) {
         uint64_t g;
         int64_t since = now_ns();
-        for (int spins = 1; (g = atomic_load(&pool.generation)) == seen; spins++) {
+        for (int spins = 1; (g = atomic_load(&pool.generation)) == seen || (g & 1); spins++) {
             cpu_relax();
             /* yield now and then: a runnable thread (torch's OpenMP team) gets the core */
             if (POOL_YIELD && spins % 64 == 0) sched_yield();
             if (spins % 256 == 0 && now_ns() - since > POOL_SPIN_NS) {
                 pthread_mutex_lock(&pool.mu);
                 atomic_fetch_add(&pool.sleeping, 1);
-                while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+                while ((g = atomic_load(&pool.generation)) == seen || (g & 1))
+                    pthread_cond_wait(&pool.wake, &pool.mu);
                 atomic_fetch_sub(&pool.sleeping, 1);
                 pthread_mutex_unlock(&pool.mu);
                 break;
             }
         }
+        pool_task task = atomic_load(&pool.task);
+        const void *args = atomic_load(&pool.args);
+        int64_t parts = atomic_load(&pool.parts);
+        /* Changed meanwhile: the caller only posts again once this job's parts are done, so
+         * this worker had no part in it; it takes the newer job instead. */
+        if (atomic_load(&pool.generation) != g) continue;
         seen = g;
-        if (me < pool.parts) pool.task(pool.args, me, pool.parts);
-        atomic_fetch_sub(&pool.remaining, 1);
+        if (me < parts) { /* workers past the job's parts sit it out (and are not waited for) */
+            task(args, me, parts);
+            atomic_fetch_sub(&pool.remaining, 1);
+        }
     }
     return NULL;
 }
@@ -162,17 +174,21 @@ static void pool_after_fork(void) {
     pool.mu = fresh;
     pool.wake = cond;
     pool.started = 0;
+    if (atomic_load(&pool.generation) & 1) atomic_fetch_add(&pool.generation, 1); /* forked mid-post */
     atomic_store(&pool.remaining, 0);
     atomic_store(&pool.sleeping, 0);
 }
 
 /* Workers for `parts` parts (parts - 1 threads); returns the parts it can run. Holds pool.run. */
 static int64_t pool_grow(int64_t parts) {
-    static int registered = 0;
+    static int registered = 0, cpus = 0;
     if (!registered) {
         pthread_atfork(NULL, NULL, pool_after_fork);
         registered = 1;
+        cpu_set_t set; /* more parts than usable CPUs would wait on descheduled workers */
+        cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : POOL_MAX;
     }
+    if (parts > cpus) parts = cpus;
     if (parts > POOL_MAX) parts = POOL_MAX;
     while (pool.started < parts - 1) {
         pthread_t th;
@@ -192,18 +208,23 @@ static void pool_run(pool_task task, const void *args, int64_t parts) {
     if (parts > 1 && pthread_mutex_trylock(&pool.run) == 0) {
         parts = pool_grow(parts);
         if (parts > 1) {
-            pool.task = task;
-            pool.args = args;
-            pool.parts = parts;
-            atomic_store(&pool.remaining, pool.started);
-            atomic_fetch_add(&pool.generation, 1);
+            atomic_fetch_add(&pool.generation, 1); /* odd: the job is being written */
+            atomic_store(&pool.task, task);
+            atomic_store(&pool.args, args);
+            atomic_store(&pool.parts, parts);
+            atomic_store(&pool.remaining, parts - 1);
+            atomic_fetch_add(&pool.generation, 1); /* even: posted */
             if (atomic_load(&pool.sleeping) > 0) {
                 pthread_mutex_lock(&pool.mu);
                 pthread_cond_broadcast(&pool.wake);
                 pthread_mutex_unlock(&pool.mu);
             }
             task(args, 0, parts);
-            while (atomic_load(&pool.remaining) > 0) cpu_relax();
+            /* yield now and then: on a busy machine a worker may wait for this core */
+            for (int spins = 1; atomic_load(&pool.remaining) > 0; spins++) {
+                cpu_relax();
+                if (spins % 64 == 0) sched_yield();
+            }
             pthread_mutex_unlock(&pool.run);
             return;
         }
@@ -487,7 +508,7 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
                 if (blk < 0 || blk >= nblocks) return -1;                                                   \
             }                                                                                               \
         }                                                                                                   \
-        memset(out, 0, sizeof(T) * ntok * hq * d);                                                          \
+        if (ntok > 0) memset(out, 0, sizeof(T) * ntok * hq * d);                                           \
         int64_t *row_req = (int64_t *)malloc(sizeof(int64_t) * (ntok > 0 ? ntok : 1));                      \
         if (!row_req) return -2;                                                                            \
         for (int64_t r = 0; r < ntok; r++) row_req[r] = -1;                                                 \
@@ -574,8 +595,10 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
  * 2^7 of the group's largest (all a bf16 x's significant bits fit) and off by at most
  * 2^-16 of the largest for the rest. A float32 x gets a second 16-bit part for what the
  * first leaves, which brings the error to 2^-31 of the group's largest: below float32
- * rounding. The integer sums are exact (at most 32 * 15 * 2^15 < 2^24 per group), so
- * the only other rounding is the float32 combination of groups.
+ * rounding. The integer sums are exact, and so is their conversion to float32 for groups
+ * of up to 128 (a lane sums G/4 products of at most 15 * 2^15: below 2^24); beyond, it is
+ * rounded once. The only other rounding is the float32 combination of groups. An x holding inf or nan is refused
+ * (-4): the caller then runs torch's arithmetic.
  * Without VNNI the same sums run as plain float32 loops.
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -768,20 +791,28 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
         amax = a > amax ? a : amax;
         amax = b > amax ? b : amax;
     }
-    int e = amax > 0.0f && isfinite(amax) ? ilogbf(amax) - 14 : 0; /* amax / 2^e in [2^14, 2^15) */
+    int e = amax > 0.0f ? ilogbf(amax) - 14 : 0; /* amax / 2^e in [2^14, 2^15); the caller saw no inf/nan */
     for (int64_t p = 0; p < np; p++) {
         int ep = e - 15 * (int)p;
-        float up = ldexpf(1.0f, ep), down = ldexpf(1.0f, -ep); /* powers of two: products are exact */
-        scale[p * scale_stride] = up;
         int16_t *oe = out_e + p * part_stride, *oo = out_o + p * part_stride;
+        if (ep < -149) { /* 2^ep is below every float: what is left is too */
+            scale[p * scale_stride] = 0.0f;
+            memset(oe, 0, sizeof(int16_t) * h);
+            memset(oo, 0, sizeof(int16_t) * h);
+            continue;
+        }
+        /* Powers of two, so every product below is exact; 2^ep may be subnormal (tiny groups, such
+         * as SiLU of a very negative gate), then 2^-ep overflows and x is scaled by ldexpf instead. */
+        float up = ldexpf(1.0f, ep), down = ep >= -126 ? ldexpf(1.0f, -ep) : 0.0f;
+        scale[p * scale_stride] = up;
         for (int half = 0; half < 2; half++) {
             float *src = (float *)(half ? xo : xe); /* the residual is kept in place for the next part */
             int16_t *dst = half ? oo : oe;
             for (int64_t i = 0; i < h; i++) {
-                float v = nearbyintf(src[i] * down);
+                float v = nearbyintf(down != 0.0f ? src[i] * down : ldexpf(src[i], -ep));
                 v = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
                 dst[i] = (int16_t)v;
-                src[i] -= v * up; /* exact: v * 2^e is within 2^e of src[i] */
+                src[i] -= v * up; /* exact: v * 2^ep is within 2^ep of src[i] */
             }
         }
     }
@@ -810,10 +841,18 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
                 xf[i] = LD(xr[2 * i]);                                                                      \
                 xf[half + i] = LD(xr[2 * i + 1]);                                                           \
             }                                                                                               \
+            float total = 0.0f;                                                                             \
             for (int64_t g = 0; g < ng; g++) {                                                              \
                 float sum = 0.0f;                                                                           \
-                for (int64_t i = g * group; i < (g + 1) * group; i++) sum += LD(xr[i]);                     \
+                for (int64_t i = g * group; i < (g + 1) * group; i++) {                                     \
+                    sum += LD(xr[i]);                                                                       \
+                    total += fabsf(LD(xr[i]));                                                              \
+                }                                                                                           \
                 xsum[t * ng + g] = sum;                                                                     \
+            }                                                                                               \
+            if (!isfinite(total)) { /* inf or nan in x: torch's arithmetic says what comes out */          \
+                free(xp); free(xsum); free(xf);                                                             \
+                return -4;                                                                                  \
             }                                                                                               \
             if (INT4_VNNI) {                                                                                \
                 int16_t *xt = (int16_t *)xp + t * np * k;                                                   \

@@ -49,6 +49,10 @@ def _fn(lib, name: str, dtype: torch.dtype):
     return fn
 
 
+# A GEMV given an x with inf or nan declines it (torch's arithmetic says what comes out).
+_NOT_FINITE = -4
+
+
 def _check(rc: int, what: str) -> None:
     if rc == -1:
         raise IndexError(f"{what}: an index is out of range")
@@ -163,6 +167,8 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     bt = meta.block_table
     if bt.dim() != 2 or bt.stride(1) != 1 or not meta.query_start_loc.is_contiguous() or not meta.seq_lens.is_contiguous():
         return None
+    if meta.query_start_loc.shape != (meta.seq_lens.shape[0] + 1,) or bt.shape[0] < meta.seq_lens.shape[0]:
+        return None
     out = torch.empty((t, hq, d), dtype=q.dtype)
     fn = _fn(lib, "attention_fp8" if fp8 else "attention", q.dtype)
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -245,8 +251,11 @@ def int4_gemm_prepared(x: torch.Tensor, w: Int4Native):
         return None
     rows = x.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype)
-    _check(_fn(lib, "int4_gemm", x.dtype)(*w.args, x.data_ptr(), x.stride(0), rows, k, y.data_ptr(), n,
-                                          torch.get_num_threads()), "int4 linear")
+    rc = _fn(lib, "int4_gemm", x.dtype)(*w.args, x.data_ptr(), x.stride(0), rows, k, y.data_ptr(), n,
+                                        torch.get_num_threads())
+    if rc == _NOT_FINITE:
+        return None
+    _check(rc, "int4 linear")
     return y
 
 
@@ -273,6 +282,8 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, qkv: Int4Native, o
         return None
     hq, hk, d = heads
     rows, hidden = x.shape
+    if hk <= 0 or hq % hk or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        return None
     if (kv_cache.dtype != x.dtype or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.shape[-2:] != (hk, d)
             or qkv.qweight.shape != ((hq + 2 * hk) * d, hidden // 2) or o.qweight.shape != (hidden, hq * d // 2)):
         return None
@@ -285,16 +296,18 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, qkv: Int4Native, o
     if any(t.dtype != torch.int32 or not t.is_cpu for t in (bt, qsl, seq)) or bt.dim() != 2 or bt.stride(1) != 1:
         return None
     if not (qsl.is_contiguous() and seq.is_contiguous()) or slots.dtype != torch.int64 or slots.shape != (rows,) \
-            or not slots.is_contiguous():
+            or not slots.is_contiguous() or qsl.shape != (seq.shape[0] + 1,) or bt.shape[0] < seq.shape[0]:
         return None
     out = torch.empty((rows, hidden), dtype=x.dtype)
     _, nblocks, bs = kv_cache.shape[:3]
-    _check(_fn(lib, "attention_block", x.dtype)(
+    rc = _fn(lib, "attention_block", x.dtype)(
         x.data_ptr(), rows, hidden, *qkv.args, *o.args, positions.data_ptr(),
         cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(), nblocks, bs, hq, hk, d,
         slots.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1], qsl.data_ptr(), seq.data_ptr(), seq.shape[0],
-        scale, window or 0, out.data_ptr(), torch.get_num_threads()),
-        "attention block: a position, slot or block is outside its table")
+        scale, window or 0, out.data_ptr(), torch.get_num_threads())
+    if rc == _NOT_FINITE:  # this step's kv_write may have run: the primitives write the same again
+        return None
+    _check(rc, "attention block: a position, slot or block is outside its table")
     return out
 
 
@@ -308,6 +321,9 @@ def mlp(x: torch.Tensor, gate_up: Int4Native, down: Int4Native):
     if gate_up.qweight.shape != (2 * inter, hidden // 2) or down.qweight.shape[0] != hidden:
         return None
     out = torch.empty((rows, hidden), dtype=x.dtype)
-    _check(_fn(lib, "mlp", x.dtype)(x.data_ptr(), rows, hidden, inter, *gate_up.args, *down.args, out.data_ptr(),
-                                    torch.get_num_threads()), "mlp")
+    rc = _fn(lib, "mlp", x.dtype)(x.data_ptr(), rows, hidden, inter, *gate_up.args, *down.args, out.data_ptr(),
+                                  torch.get_num_threads())
+    if rc == _NOT_FINITE:
+        return None
+    _check(rc, "mlp")
     return out
