@@ -158,6 +158,7 @@ class LazyPlan:
     device: object
     row_keys: int
     plan: AttentionPlan | None = None
+    native: object = None  # the native attention block's packed step arguments (False: unusable)
 
     def resolve(self) -> AttentionPlan:
         if self.plan is None:

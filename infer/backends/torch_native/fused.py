@@ -13,6 +13,7 @@ runner runs the node's primitives instead.
 from __future__ import annotations
 
 from ...primitives.types import Int4GroupWeight
+from .attention import LazyPlan
 from .native import ops as native
 from .quant_linear import Int4Prepared
 
@@ -24,25 +25,57 @@ def _int4(handle) -> native.Int4Native | None:
     return None
 
 
+# Key under which a fused call keeps, in the `params` dict the runner gives it, its layer's
+# packed arguments (checked once; the dict lives as long as the bound call).
+_MEMO = "native packed"
+
+
+def _layer_memo(params: dict, build, *keys):
+    """params' packed layer arguments, built (or found unusable: False) on the first call, and
+    rebuilt when one of `keys` (a KV cache) is no longer the one they were packed for."""
+    memo = params.get(_MEMO)
+    if memo is None or memo[0] != tuple(map(id, keys)):
+        memo = params[_MEMO] = (tuple(map(id, keys)), build() or False, keys)
+    return memo[1]
+
+
 def attention(x, positions, *, params, attrs, env, runner, layer):
-    qkv, o = _int4(params.get("qkv_proj")), _int4(params.get("o_proj"))
-    if qkv is None or o is None or "q_norm" in params or attrs["soft_cap"] is not None or runner.kv_cache_dtype == "fp8":
-        return NotImplemented
     meta = env["meta"]
     plan = meta.backend_data
-    work = getattr(plan, "row_keys", -1)
-    if work < 0:
+    if not isinstance(plan, LazyPlan):
         return NotImplemented
-    heads = (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"])
-    out = native.attention_block(x, positions, qkv, o, runner.rope_cache(attrs["rotary_dim"]), attrs["neox_style"],
-                                 runner.kv_caches[layer], meta, heads, attrs["scale"], attrs["sliding_window"],
-                                 work * heads[0] * heads[2])
+    cache = runner.kv_caches[layer]
+
+    def build():
+        qkv, o = _int4(params.get("qkv_proj")), _int4(params.get("o_proj"))
+        if qkv is None or o is None or "q_norm" in params or attrs["soft_cap"] is not None \
+                or runner.kv_cache_dtype == "fp8":
+            return None
+        heads = (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"])
+        return native.attention_block_layer(qkv, o, runner.rope_cache(attrs["rotary_dim"]), attrs["neox_style"],
+                                            cache, heads, attrs["scale"], attrs["sliding_window"])
+
+    packed = _layer_memo(params, build, cache)
+    if packed is False:
+        return NotImplemented
+    if plan.native is None:  # the step's side, packed by the first layer
+        plan.native = native.attention_block_step(meta) or False
+    if plan.native is False:
+        return NotImplemented
+    work = plan.row_keys * attrs["num_heads"] * attrs["head_dim"]
+    out = native.attention_block(x, positions, packed, plan.native, work)
     return NotImplemented if out is None else out
 
 
 def mlp(x, *, params, attrs, env, runner, layer):
-    gate_up, down = _int4(params.get("gate_up_proj")), _int4(params.get("down_proj"))
-    if gate_up is None or down is None or attrs["act"] != "silu":
+    def build():
+        gate_up, down = _int4(params.get("gate_up_proj")), _int4(params.get("down_proj"))
+        if gate_up is None or down is None or attrs["act"] != "silu":
+            return None
+        return native.mlp_layer(gate_up, down)
+
+    packed = _layer_memo(params, build)
+    if packed is False:
         return NotImplemented
-    out = native.mlp(x, gate_up, down)
+    out = native.mlp(x, packed)
     return NotImplemented if out is None else out

@@ -46,9 +46,8 @@ _SIGNATURES = {
     "infer_kv_write_fp8": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _F),
     "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
     "infer_int4_gemm": (_P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
-    "infer_attention_block": (_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I,
-                              _I, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, _F, _I, _P, _I),
-    "infer_mlp": (_P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _I),
+    "infer_attention_block_packed": (_P, _I, _P, _P, _P, _F, _P, _I),
+    "infer_mlp_packed": (_P, _I, _P, _P, _I),
 }
 _TYPED = ("f32", "bf16")
 

@@ -272,57 +272,97 @@ def _int4_rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.is_contiguous() and 0 < x.shape[0] <= min(limit, SILU_MAX_ROWS)
 
 
-def attention_block(x: torch.Tensor, positions: torch.Tensor, qkv: Int4Native, o: Int4Native, cos_sin: torch.Tensor,
-                    neox_style: bool, kv_cache: torch.Tensor, meta, heads: tuple[int, int, int], scale: float,
-                    window: int | None, work: int):
-    """The attention node (qkv projection, rotary, kv_write, attention, o projection) for the
-    rows of x; None when the kernels do not apply. `heads` is (query heads, KV heads, head_dim)."""
-    lib = _lib(x)
-    if lib is None or not _int4_rows(x) or work > MAX_ATTENTION_WORK:
-        return None
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Arguments checked once and packed for the native attention block or MLP (a layer's
+    weights and cache, or a step's metadata): the tensors they point into, and the array."""
+
+    keep: tuple
+    array: torch.Tensor  # int64
+    dtype: torch.dtype | None = None  # the activations' (layers)
+    hidden: int = 0
+    scale: float = 0.0
+
+
+def _pack(values, keep, **kw) -> Packed:
+    return Packed(tuple(keep), torch.tensor(values, dtype=torch.int64), **kw)
+
+
+def attention_block_layer(qkv: Int4Native, o: Int4Native, cos_sin: torch.Tensor, neox_style: bool,
+                          kv_cache: torch.Tensor, heads: tuple[int, int, int], scale: float, window: int | None):
+    """A layer's side of `attention_block`, checked and packed, or None when the kernels cannot
+    serve it. `heads` is (query heads, KV heads, head_dim)."""
     hq, hk, d = heads
-    rows, hidden = x.shape
-    if hk <= 0 or hq % hk or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+    if library() is None or kv_cache.dtype not in _SUFFIX or hk <= 0 or hq % hk:
         return None
-    if (kv_cache.dtype != x.dtype or not kv_cache.is_cpu or not kv_cache.is_contiguous() or kv_cache.shape[-2:] != (hk, d)
-            or qkv.qweight.shape != ((hq + 2 * hk) * d, hidden // 2) or o.qweight.shape != (hidden, hq * d // 2)):
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_cpu or not kv_cache.is_contiguous() \
+            or kv_cache.shape[-2:] != (hk, d):
+        return None
+    hidden = o.qweight.shape[0]
+    if qkv.qweight.shape != ((hq + 2 * hk) * d, hidden // 2) or o.qweight.shape != (hidden, hq * d // 2):
         return None
     rot = cos_sin.shape[1]
     if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or rot > d or rot % 2:
         return None
-    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,):
-        return None
+    _, nblocks, bs = kv_cache.shape[:3]
+    values = (*qkv.args, *o.args, cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(),
+              nblocks, bs, hq, hk, d, hidden, window or 0)
+    return _pack(values, (qkv, o, cos_sin, kv_cache), dtype=kv_cache.dtype, hidden=hidden, scale=scale)
+
+
+def attention_block_step(meta):
+    """A step's side of `attention_block` (its slots, block table and lengths), checked and
+    packed, or None."""
     bt, qsl, seq, slots = meta.block_table, meta.query_start_loc, meta.seq_lens, meta.slot_mapping
     if any(t.dtype != torch.int32 or not t.is_cpu for t in (bt, qsl, seq)) or bt.dim() != 2 or bt.stride(1) != 1:
         return None
-    if not (qsl.is_contiguous() and seq.is_contiguous()) or slots.dtype != torch.int64 or slots.shape != (rows,) \
-            or not slots.is_contiguous() or qsl.shape != (seq.shape[0] + 1,) or bt.shape[0] < seq.shape[0]:
+    if not (qsl.is_contiguous() and seq.is_contiguous()) or slots.dtype != torch.int64 or slots.dim() != 1 \
+            or not slots.is_contiguous() or not slots.is_cpu or qsl.shape != (seq.shape[0] + 1,) \
+            or bt.shape[0] < seq.shape[0]:
         return None
-    out = torch.empty((rows, hidden), dtype=x.dtype)
-    _, nblocks, bs = kv_cache.shape[:3]
-    rc = _fn(lib, "attention_block", x.dtype)(
-        x.data_ptr(), rows, hidden, *qkv.args, *o.args, positions.data_ptr(),
-        cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(), nblocks, bs, hq, hk, d,
-        slots.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1], qsl.data_ptr(), seq.data_ptr(), seq.shape[0],
-        scale, window or 0, out.data_ptr(), torch.get_num_threads())
+    values = (slots.data_ptr(), bt.data_ptr(), bt.stride(0), bt.shape[1], qsl.data_ptr(), seq.data_ptr(), seq.shape[0])
+    return _pack(values, (bt, qsl, seq, slots))
+
+
+def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Packed, work: int):
+    """The attention node (qkv projection, rotary, kv_write, attention, o projection) for the
+    rows of x; None when the kernels do not apply."""
+    lib = _lib(x)
+    if lib is None or x.dtype != layer.dtype or not _int4_rows(x) or x.shape[1] != layer.hidden \
+            or work > MAX_ATTENTION_WORK:
+        return None
+    rows = x.shape[0]
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,) \
+            or step.keep[3].shape != (rows,):
+        return None
+    out = torch.empty((rows, layer.hidden), dtype=x.dtype)
+    rc = _fn(lib, "attention_block_packed", x.dtype)(x.data_ptr(), rows, positions.data_ptr(), layer.array.data_ptr(),
+                                                     step.array.data_ptr(), layer.scale, out.data_ptr(),
+                                                     torch.get_num_threads())
     if rc == _NOT_FINITE:  # this step's kv_write may have run: the primitives write the same again
         return None
     _check(rc, "attention block: a position, slot or block is outside its table")
     return out
 
 
-def mlp(x: torch.Tensor, gate_up: Int4Native, down: Int4Native):
+def mlp_layer(gate_up: Int4Native, down: Int4Native):
+    """A layer's side of `mlp`, checked and packed, or None."""
+    if library() is None:
+        return None
+    hidden, inter = down.qweight.shape[0], down.qweight.shape[1] * 2
+    if gate_up.qweight.shape != (2 * inter, hidden // 2):
+        return None
+    return _pack((*gate_up.args, *down.args, hidden, inter), (gate_up, down), hidden=hidden)
+
+
+def mlp(x: torch.Tensor, layer: Packed):
     """The SwiGLU MLP node for the rows of x; None when the kernels do not apply."""
     lib = _lib(x)
-    if lib is None or not _int4_rows(x):
+    if lib is None or not _int4_rows(x) or x.shape[1] != layer.hidden:
         return None
-    rows, hidden = x.shape
-    inter = down.qweight.shape[1] * 2
-    if gate_up.qweight.shape != (2 * inter, hidden // 2) or down.qweight.shape[0] != hidden:
-        return None
-    out = torch.empty((rows, hidden), dtype=x.dtype)
-    rc = _fn(lib, "mlp", x.dtype)(x.data_ptr(), rows, hidden, inter, *gate_up.args, *down.args, out.data_ptr(),
-                                  torch.get_num_threads())
+    out = torch.empty((x.shape[0], layer.hidden), dtype=x.dtype)
+    rc = _fn(lib, "mlp_packed", x.dtype)(x.data_ptr(), x.shape[0], layer.array.data_ptr(), out.data_ptr(),
+                                         torch.get_num_threads())
     if rc == _NOT_FINITE:
         return None
     _check(rc, "mlp")
