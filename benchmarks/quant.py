@@ -3,6 +3,7 @@
     python benchmarks/quant.py                  # both parts
     python benchmarks/quant.py --part linear    # per-T timings of each path at SmolLM2's shapes
     python benchmarks/quant.py --part decode --tokens 64 --json out.json
+    python benchmarks/quant.py --part decode --tokens 128 --rounds 3 --llama-python /path/to/venv/bin/python
     python benchmarks/quant.py --part kv        # fp8 vs 16-bit KV cache on the same bytes
 
 ``linear``: for each SmolLM2 projection shape and T in 1/4/32/256, the median
@@ -175,23 +176,46 @@ def kv_table(requests: int, tokens: int) -> list[dict]:
     return rows
 
 
-def decode_table(tokens: int) -> list[dict]:
+def _decode_row(label: str, quant: str, dtype: str, tokens: int, gguf_mb: float) -> dict | None:
+    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
+           f"print(json.dumps(quant.decode_one({quant!r}, {dtype!r}, {tokens})))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode:
+        print(f"{label}: failed\n{res.stderr[-2000:]}")
+        return None
+    row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": label, "gguf_mb": gguf_mb}
+    print(f"{label:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB "
+          f"({row['peak_rss_mb'] / gguf_mb:.1f}x the {gguf_mb:.0f} MB GGUF)  load {row['load_s']:.1f}s  "
+          f"{row['text']!r}", flush=True)
+    return row
+
+
+def decode_table(tokens: int, rounds: int = 1, llama_python: str | None = None) -> list[dict]:
+    """Each configuration (and llama.cpp, given its Python) once per round, rounds one after
+    another, so a slow spell of the machine hits every configuration of a round alike; with
+    several rounds, the median speed and the median of each round's ratio to llama.cpp."""
     from infer.core.loader import resolve_model_path
 
     gguf_mb = resolve_model_path("smollm2")[0].stat().st_size / 2**20
     rows = []
-    for label, (quant, dtype) in CONFIGS.items():
-        code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
-               f"print(json.dumps(quant.decode_one({quant!r}, {dtype!r}, {tokens})))"
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if res.returncode:
-            print(f"{label}: failed\n{res.stderr[-2000:]}")
-            continue
-        row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": label, "gguf_mb": gguf_mb}
-        rows.append(row)
-        print(f"{label:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB "
-              f"({row['peak_rss_mb'] / gguf_mb:.1f}x the {gguf_mb:.0f} MB GGUF)  load {row['load_s']:.1f}s  "
-              f"{row['text']!r}", flush=True)
+    for r in range(rounds):
+        if rounds > 1:
+            print(f"-- round {r + 1} of {rounds} (load average {os.getloadavg()[0]:.2f})", flush=True)
+        for label, (quant, dtype) in CONFIGS.items():
+            if row := _decode_row(label, quant, dtype, tokens, gguf_mb):
+                rows.append(row | {"round": r})
+        if llama_python and (row := llama_cpp_row(llama_python, tokens)):
+            rows.append(row | {"round": r})
+    if rounds > 1:
+        llama = {row["round"]: row["decode_tok_s"] for row in rows if row["config"].startswith("llama.cpp")}
+        print(f"-- median of {rounds} rounds")
+        for label in dict.fromkeys(row["config"] for row in rows):
+            speeds = [row["decode_tok_s"] for row in rows if row["config"] == label]
+            ratios = [row["decode_tok_s"] / llama[row["round"]] for row in rows
+                      if row["config"] == label and row["round"] in llama]
+            vs = f"  {statistics.median(ratios):.2f}x llama.cpp (rounds: {', '.join(f'{x:.2f}' for x in ratios)})" \
+                if ratios and not label.startswith("llama.cpp") else ""
+            print(f"{label:22s} decode {statistics.median(speeds):6.1f} tok/s{vs}", flush=True)
     return rows
 
 
@@ -236,6 +260,8 @@ def main() -> None:
     ap.add_argument("--T", default="1,4,32,256", help="row counts for the linear part")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--llama-python", help="a Python with llama-cpp-python installed: adds llama.cpp's decode")
+    ap.add_argument("--rounds", type=int, default=1, help="decode: run every configuration this many times, "
+                                                          "interleaved, and report medians")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 is steadier on a busy machine")
     a = ap.parse_args()
     if a.threads:
@@ -247,9 +273,7 @@ def main() -> None:
         out["linear"] = linear_table([int(t) for t in a.T.split(",")])
     if a.part in ("decode", "all"):
         print(f"load average {os.getloadavg()[0]:.2f}")
-        out["decode"] = decode_table(a.tokens)
-        if a.llama_python and (row := llama_cpp_row(a.llama_python, a.tokens)):
-            out["decode"].append(row)
+        out["decode"] = decode_table(a.tokens, a.rounds, a.llama_python)
     if a.part in ("kv", "all"):
         print(f"load average {os.getloadavg()[0]:.2f}")
         out["kv"] = kv_table(16, a.tokens)

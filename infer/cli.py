@@ -104,8 +104,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
     if "torch" in reg.backends:
         from .backends.torch_native import native
 
-        console.print(f"torch CPU kernels (rms_norm, rotary, silu_and_mul, kv_write, attention, Q8_0 linear; fp8 KV): "
-                      f"{escape(native.status())}")
+        console.print("torch CPU kernels (rms_norm, rotary, silu_and_mul, kv_write, attention, int4 and Q8_0 linear, "
+                      f"fused decode attention block and MLP; fp8 KV): {escape(native.status())}")
     if args.coverage and matrix:
         cov_table = Table(title="primitive coverage (provider of each primitive)", title_justify="left")
         cov_table.add_column("primitive")

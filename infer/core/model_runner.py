@@ -278,7 +278,8 @@ class ModelRunner:
                 result = fn(*(env[i] for i in ins), params=params, attrs=a, env=env, runner=self, layer=layer)
                 if result is NotImplemented:
                     if not expansion:
-                        raise RuntimeError(f"backend '{self.backend.name}' declined {kind} of {c.node}, which has no expansion")
+                        raise RuntimeError(f"backend '{self.backend.name}' declined {kind} of {c.node}, "
+                                           "which has no expansion")
                     for step in expansion:
                         step(env)
                     for name in temporaries:

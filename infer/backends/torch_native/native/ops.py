@@ -239,7 +239,8 @@ def int4_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
     if halves[0] is not None and halves[1] is not None:
         scales, offsets = halves
     f16 = int(scales.dtype == torch.float16)
-    return Int4Native(qweight, scales, offsets, (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), group_size, f16))
+    pointers = (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+    return Int4Native(qweight, scales, offsets, (*pointers, group_size, f16))
 
 
 def int4_gemm_prepared(x: torch.Tensor, w: Int4Native):
