@@ -328,6 +328,17 @@ def test_int4_gemm_keeps_tiny_activations_and_declines_inf_and_nan():
         assert nops.int4_gemm(y, qweight, scales, offsets, 32) is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_gemm_gives_each_row_what_it_gives_that_row_alone(dtype):
+    """Rows of x computed together (bf16 rows go in pairs) equal each row computed alone, bit
+    for bit: a request's tokens do not depend on what it is batched with."""
+    qweight, scales, offsets, _ = _int4(64, 256, 32, seed=6)
+    fast = nops.int4_prepare(qweight, scales.half().float(), offsets.half().float(), 32)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6)).to(dtype)
+    together = nops.int4_gemm_prepared(x, fast)
+    assert torch.equal(together, torch.cat([nops.int4_gemm_prepared(x[i:i + 1], fast) for i in range(5)]))
+
+
 def test_int4_gemm_runs_the_same_on_any_number_of_threads(monkeypatch):
     qweight, scales, offsets, _ = _int4(4 * 97, 256, 32, seed=3)
     x = torch.randn(2, 256)

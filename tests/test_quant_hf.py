@@ -248,7 +248,7 @@ def test_auto_keeps_int4_weights_in_float32_only_with_an_exact_kernel(tmp_path, 
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in want]
 
 
-@pytest.mark.parametrize("dtype,seqs", [("float32", 2), ("bfloat16", 1)])
+@pytest.mark.parametrize("dtype,seqs", [("float32", 2), ("bfloat16", 1), ("bfloat16", 2)])
 def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatch, dtype, seqs):
     """The torch backend's native attention block and MLP (int4 weights, decode-sized steps)
     run the kernels the nodes' primitives run, in the same order: the same tokens and the

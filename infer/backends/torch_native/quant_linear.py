@@ -28,8 +28,9 @@ shapes; `python benchmarks/quant.py --part linear --threads 1`):
   from memory, 2 threads: ~3 ms per pass of all 30 layers (torch's int4
   kernel in the same flow: ~4.5 ms); at
   T=1, in cache: gate_up 41 us against torch's 54, down 22 against 33. It
-  redoes the integer work per row of x (the weights stay in L1), so with bf16
-  it serves one row (T=2 already lost to torch's kernel) and with float32 up
+  unpacks each weight once per two rows of bf16 x and redoes the integer work
+  per row otherwise (the weights stay in L1), so with bf16 it serves up to 2
+  rows (even with torch's kernel at T=2, behind it from T=4) and with float32 up
   to 32: against float32 tiles, qkv at T=8 took 160 us against 552, at T=37
   ~the same, at T=64 1.5x longer. 2026-11-29.
 
@@ -166,7 +167,8 @@ def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     if t == 0:
         return x.new_zeros(0, w.out_features)
     if isinstance(p, Int4Prepared):
-        if p.native is not None and t <= (native.INT4_GEMM_MAX_ROWS if x.dtype == torch.float32 else 1):
+        if p.native is not None and t <= (native.INT4_GEMM_MAX_ROWS if x.dtype == torch.float32
+                                          else native.INT4_BF16_MAX_ROWS):
             y = native.int4_gemm_prepared(x, p.native)
             if y is not None:
                 return y if w.bias is None else y + w.bias.to(x.dtype)

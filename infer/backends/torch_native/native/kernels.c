@@ -674,9 +674,10 @@ static inline float dot_f16_tail(const uint16_t *a, const float *b, int64_t n) {
 #define INT4_DOT(isum, wl, wh, xe, xo) isum = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(isum, wl, xe), wh, xo)
 
 /* Output rows r..r+3 for activation row t with NP (1 or 2, a constant at each call site)
- * 16-bit parts of x; every accumulator is a named register. */
+ * 16-bit parts of x; every accumulator is a named register. PAIR (with NP = 1): activation
+ * rows t and t + 1 at once, each weight unpacked once for both (batched bf16 decode). */
 static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, int64_t r, int64_t t, const int NP,
-                                                             const int G32, const int HALF) {
+                                                             const int G32, const int HALF, const int PAIR) {
     const __m256i low4 = _mm256_set1_epi16(15);
     int64_t k = j->k, half = k / 2, ng = k / j->group, sub = G32 ? 1 : j->group / 32; /* G32: groups of 32 */
     const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
@@ -685,9 +686,10 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
     int64_t s0 = r * ng, s1 = s0 + ng, s2 = s1 + ng, s3 = s2 + ng;
 #define INT4_SCALE(i) (HALF ? _cvtsh_ss(((const uint16_t *)j->s)[i]) : ((const float *)j->s)[i])
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0; /* PAIR: row t + 1 */
     for (int64_t g = 0; g < ng; g++) {
         __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0;
-        __m256i k0 = i0, k1 = i0, k2 = i0, k3 = i0; /* second parts */
+        __m256i k0 = i0, k1 = i0, k2 = i0, k3 = i0; /* second parts, or PAIR's row t + 1 */
         for (int64_t b = 0; b < sub; b++) {
             int64_t at = (g * sub + b) * 16; /* byte offset in the row = offset in the even/odd halves */
             if ((at & 63) == 0) { /* the same bytes of the next rows, ahead of their turn */
@@ -704,7 +706,7 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
             INT4_DOT(i1, l1, h1, xe, xo);
             INT4_DOT(i2, l2, h2, xe, xo);
             INT4_DOT(i3, l3, h3, xe, xo);
-            if (NP == 2) {
+            if (NP == 2 || PAIR) { /* x2: the second part of row t, or PAIR's row t + 1 */
                 __m256i ye = _mm256_loadu_si256((const __m256i *)(x2 + at));
                 __m256i yo = _mm256_loadu_si256((const __m256i *)(x2 + half + at));
                 INT4_DOT(k0, l0, h0, ye, yo);
@@ -723,10 +725,19 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
             f2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k2), c2, f2);
             f3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(k3), c2, f3);
         }
-        a0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(INT4_SCALE(s0 + g)), a0);
-        a1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(INT4_SCALE(s1 + g)), a1);
-        a2 = _mm256_fmadd_ps(f2, _mm256_set1_ps(INT4_SCALE(s2 + g)), a2);
-        a3 = _mm256_fmadd_ps(f3, _mm256_set1_ps(INT4_SCALE(s3 + g)), a3);
+        __m256 w0 = _mm256_set1_ps(INT4_SCALE(s0 + g)), w1 = _mm256_set1_ps(INT4_SCALE(s1 + g));
+        __m256 w2 = _mm256_set1_ps(INT4_SCALE(s2 + g)), w3 = _mm256_set1_ps(INT4_SCALE(s3 + g));
+        a0 = _mm256_fmadd_ps(f0, w0, a0);
+        a1 = _mm256_fmadd_ps(f1, w1, a1);
+        a2 = _mm256_fmadd_ps(f2, w2, a2);
+        a3 = _mm256_fmadd_ps(f3, w3, a3);
+        if (PAIR) {
+            __m256 c2 = _mm256_set1_ps(sc2[g]);
+            b0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k0), c2), w0, b0);
+            b1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k1), c2), w1, b1);
+            b2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k2), c2), w2, b2);
+            b3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k3), c2), w3, b3);
+        }
     }
 #undef INT4_SCALE
     const float *xs = j->xsum + t * ng;
@@ -736,6 +747,13 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
     int4_store(j, t, r + 1, hsum256(a1) + INT4_OFFSETS(1));
     int4_store(j, t, r + 2, hsum256(a2) + INT4_OFFSETS(2));
     int4_store(j, t, r + 3, hsum256(a3) + INT4_OFFSETS(3));
+    if (PAIR) {
+        xs += ng;
+        int4_store(j, t + 1, r, hsum256(b0) + INT4_OFFSETS(0));
+        int4_store(j, t + 1, r + 1, hsum256(b1) + INT4_OFFSETS(1));
+        int4_store(j, t + 1, r + 2, hsum256(b2) + INT4_OFFSETS(2));
+        int4_store(j, t + 1, r + 3, hsum256(b3) + INT4_OFFSETS(3));
+    }
 #undef INT4_OFFSETS
 }
 #endif
@@ -745,18 +763,31 @@ static void int4_task(const void *args, int64_t part, int64_t parts) {
     /* the rows are cut in fours (N is a multiple of 4) */
     int64_t quads = j->n / 4, lo = quads * part / parts * 4, hi = quads * (part + 1) / parts * 4;
 #if INT4_VNNI
-    for (int64_t r = lo; r < hi; r += 4)
-        for (int64_t t = 0; t < j->rows; t++) {
+    for (int64_t r = lo; r < hi; r += 4) {
+        int64_t t = 0;
+        if (j->nparts == 1) /* bf16: rows in pairs */
+            for (; t + 1 < j->rows; t += 2) {
+                if (j->half_scales && j->group == 32)
+                    int4_rows4(j, r, t, 1, 1, 1, 1);
+                else if (j->half_scales)
+                    int4_rows4(j, r, t, 1, 0, 1, 1);
+                else if (j->group == 32)
+                    int4_rows4(j, r, t, 1, 1, 0, 1);
+                else
+                    int4_rows4(j, r, t, 1, 0, 0, 1);
+            }
+        for (; t < j->rows; t++) {
             if (j->half_scales && j->group == 32) {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 1) : int4_rows4(j, r, t, 2, 1, 1);
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 1, 0) : int4_rows4(j, r, t, 2, 1, 1, 0);
             } else if (j->half_scales) {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 1) : int4_rows4(j, r, t, 2, 0, 1);
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 1, 0) : int4_rows4(j, r, t, 2, 0, 1, 0);
             } else if (j->group == 32) {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 0) : int4_rows4(j, r, t, 2, 1, 0);
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 0, 0) : int4_rows4(j, r, t, 2, 1, 0, 0);
             } else {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 0) : int4_rows4(j, r, t, 2, 0, 0);
+                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 0, 0) : int4_rows4(j, r, t, 2, 0, 0, 0);
             }
         }
+    }
 #else
     int64_t k = j->k, half = k / 2, ng = k / j->group;
     for (int64_t r = lo; r < hi; r++) {
