@@ -95,17 +95,17 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 /* ---- a thread pool for the GEMVs and attention -----------------------------------------
  * A decode step runs ~120 GEMVs of 10-60 us each: handing each half to a Python
  * thread costs as much as the work. Workers here wait for the next job spinning
- * (with the pause hint, yielding to any runnable thread now and then) for
- * POOL_SPIN_NS, then sleep on a condition variable, so back-to-back GEMVs hand off
- * within a microsecond or two while an idle pool leaves the cores to torch. pool_run(task, args, parts) runs task(args, p, parts)
- * for p = 0..parts-1, part 0 on the calling thread, and returns when all are done.
- * Callers racing for the pool (ctypes drops the GIL) run their job alone instead
- * of waiting. A forked child starts with no workers (pthread_atfork).
+ * (with the pause hint, yielding to any runnable thread now and then: without the
+ * yields SmolLM2's decode step took 2 ms longer) for POOL_SPIN_NS, then sleep on a
+ * condition variable, so back-to-back GEMVs hand off within a microsecond or two
+ * while an idle pool leaves the cores to torch. pool_run(task, args, parts) runs
+ * task(args, p, parts) for p = 0..parts-1, part 0 on the calling thread, and
+ * returns when all are done. Callers racing for the pool (ctypes drops the GIL)
+ * run their job alone instead of waiting. A forked child starts with no workers
+ * (pthread_atfork).
  */
 #define POOL_MAX 64
 #define POOL_SPIN_NS 200000
-/* Spinning without yielding made SmolLM2's decode step 2 ms slower (11.6 -> 13.7 ms). */
-#define POOL_YIELD 1
 typedef void (*pool_task)(const void *args, int64_t part, int64_t parts);
 static struct {
     pthread_mutex_t run, mu;
@@ -141,7 +141,7 @@ static void *pool_worker(void *arg) {
         for (int spins = 1; (g = atomic_load(&pool.generation)) == seen || (g & 1); spins++) {
             cpu_relax();
             /* yield now and then: a runnable thread (torch's OpenMP team) gets the core */
-            if (POOL_YIELD && spins % 64 == 0) sched_yield();
+            if (spins % 64 == 0) sched_yield();
             if (spins % 256 == 0 && now_ns() - since > POOL_SPIN_NS) {
                 pthread_mutex_lock(&pool.mu);
                 atomic_fetch_add(&pool.sleeping, 1);
