@@ -152,17 +152,25 @@ def kv_one(kv_cache_dtype: str, requests: int, tokens: int) -> dict:
 KV_BUDGET = 64 << 20  # bytes of KV cache, all layers: 16 requests fit with either cache
 
 
+def _in_child(call: str, label: str) -> dict | None:
+    """`quant.<call>` run in a fresh interpreter (so its peak RSS is its own): its JSON row, or None."""
+    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
+           f"print(json.dumps(quant.{call}))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode:
+        print(f"{label}: failed\n{res.stderr[-2000:]}")
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def kv_table(requests: int, tokens: int) -> list[dict]:
     """bf16 16-bit cache vs fp8 cache on the same bytes: token capacity, batch throughput, greedy agreement."""
     rows = []
     for kv_dtype in ("auto", "fp8"):
-        code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
-               f"print(json.dumps(quant.kv_one({kv_dtype!r}, {requests}, {tokens})))"
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if res.returncode:
-            print(f"kv {kv_dtype}: failed\n{res.stderr[-2000:]}")
+        row = _in_child(f"kv_one({kv_dtype!r}, {requests}, {tokens})", f"kv {kv_dtype}")
+        if row is None:
             return rows
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        rows.append(row)
     base = rows[0]
     for r in rows:
         same = [sum(a == b for a, b in zip(x, y)) / max(1, len(y)) for x, y in zip(r["tokens"], base["tokens"])]
@@ -177,13 +185,10 @@ def kv_table(requests: int, tokens: int) -> list[dict]:
 
 
 def _decode_row(label: str, quant: str, dtype: str, tokens: int, gguf_mb: float) -> dict | None:
-    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
-           f"print(json.dumps(quant.decode_one({quant!r}, {dtype!r}, {tokens})))"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if res.returncode:
-        print(f"{label}: failed\n{res.stderr[-2000:]}")
+    row = _in_child(f"decode_one({quant!r}, {dtype!r}, {tokens})", label)
+    if row is None:
         return None
-    row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": label, "gguf_mb": gguf_mb}
+    row |= {"config": label, "gguf_mb": gguf_mb}
     print(f"{label:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB "
           f"({row['peak_rss_mb'] / gguf_mb:.1f}x the {gguf_mb:.0f} MB GGUF)  load {row['load_s']:.1f}s  "
           f"{row['text']!r}", flush=True)
