@@ -18,6 +18,9 @@ line, not a crash, and makes the exit status 1):
                 prefill throughput, decode step eager and with CUDA graphs at
                 batch 1 (target: >= 80% of the weight-streaming roofline) and
                 batch 64.
+  6. engine     LLMEngine on a random 1B-sized Llama saved by transformers:
+                a batch of greedy requests with --enforce-eager and with the
+                engine's decode graphs; tokens/s of each and their agreement.
 Without a GPU the script switches to --smoke by itself: TRITON_INTERPRET=1 is
 set before any kernel module is imported, shapes shrink to toy sizes, and the
 numbers only prove that every path runs.
@@ -66,7 +69,8 @@ SMOKE = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=128,
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's interpreter (automatic without a GPU)")
-    p.add_argument("--skip", action="append", default=[], help="skip a section: peaks, conformance, primitives, attention, e2e")
+    p.add_argument("--skip", action="append", default=[],
+                   help="skip a section: peaks, conformance, primitives, attention, e2e, engine")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
 
@@ -307,10 +311,13 @@ def section_e2e(out):
     t = timed(step(_decode_meta(n, L, q_len=L, shuffle=False)), warmup=1, iters=max(1, S.iters // 3))
     print(f"  prefill {n}x{L}: {t * 1e3:.1f} ms, {n * L / t:,.0f} tokens/s")
     out["prefill_tokens_per_s"] = n * L / t
-    graphs = DecodeGraphs(runner, max_model_len=8192, max_blocks_per_seq=-(-8192 // S.block_size),
-                          block_size=S.block_size, batch_sizes=(1, 4, B))
+    # Off a GPU the same static buffers and padding run eagerly: every path but the capture itself.
+    graphs = DecodeGraphs(runner, max_model_len=8192, block_size=S.block_size, batch_sizes=(1, 4, B),
+                          use_graphs=DEV.startswith("cuda"))
     graphs.capture()
-    print(f"  CUDA graphs: {'captured for batch ' + str(sorted(graphs.graphs)) if graphs.graphs else 'not taken (' + DEV + ')'}")
+    taken = (f"captured for batch {sorted(graphs.graphs)}" if graphs.graphs
+             else f"not taken ({DEV}): static buffers run eagerly")
+    print(f"  CUDA graphs: {taken}")
     for b in sorted({1, 3, B}):  # 3 is padded to a captured 4
         meta = _decode_meta(b, c, shuffle=False)
         ids = np.random.default_rng(2).integers(0, S.vocab, b)
@@ -336,8 +343,73 @@ def section_e2e(out):
         print(f"  target: batch-1 decode >= 80% of the HBM roofline: {share:.0%} -> {'MET' if share >= 0.8 else 'MISSED'}")
 
 
+def section_engine(out):
+    """LLMEngine on the cuda backend with and without its decode graphs: a random
+    Llama saved by transformers (no hub), greedy, one batch of requests."""
+    import tempfile
+
+    import transformers
+
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+
+    h, layers, heads, kv, inter, vocab = (2048, 8, 16, 4, 5632, 32000) if not SMOKE_MODE else (64, 2, 4, 2, 96, 128)
+    cfg = transformers.LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                                   max_position_embeddings=2048, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    batch, new = (32, 64) if not SMOKE_MODE else (3, 4)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, int(n)).tolist()}
+               for n in rng.integers(8, 200 if not SMOKE_MODE else 20, batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    got = {}
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        del model
+        for eager in (True, False):
+            llm = LLM(path, backend="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=batch,
+                      max_model_len=512, enforce_eager=eager, show_progress=False)
+            engine = llm.engine
+            if not eager and engine.decode_graphs is None and SMOKE_MODE:
+                engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
+                                                    (1, 2, 4), use_graphs=False)
+                engine.decode_graphs.capture()
+            if not eager and engine.decode_graphs is None:
+                raise AssertionError("the engine captured no decode graphs on the GPU")
+            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
+            sync()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sync()
+            seconds = time.perf_counter() - start
+            name = "eager" if eager else "graphs"
+            replays = engine.decode_graphs.replays if engine.decode_graphs is not None else 0
+            got[name] = [o.outputs[0].token_ids for o in outs]
+            print(f"  {name}: {batch} requests x {new} tokens in {seconds:.2f} s, {batch * new / seconds:,.0f} tok/s"
+                  f" ({replays} graph replays)")
+            out[name] = dict(seconds=seconds, tokens_per_s=batch * new / seconds, replays=replays)
+            if not eager and replays == 0:
+                raise AssertionError("no decode step went through the graphs")
+            del llm, engine
+            if DEV.startswith("cuda"):
+                torch.cuda.empty_cache()
+    # Random weights make near-ties common, and the graphs' split count (from the
+    # captured capacity) rounds differently from eager's: a diverging token
+    # changes the rest of its request, so agreement is counted up to the first.
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+            for x, y in zip(got["eager"], got["graphs"])]
+    agree = sum(same) / sum(len(x) for x in got["eager"])
+    print(f"  greedy tokens equal before the first difference: {agree:.1%}; "
+          f"graphs/eager speed x{out['graphs']['tokens_per_s'] / out['eager']['tokens_per_s']:.2f}")
+    out["agreement"] = agree
+    if sum(s > 0 for s in same) < len(same) // 2:
+        raise AssertionError(f"graphs and eager disagree on the first token of most requests: {same}")
+
+
 SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "primitives": section_primitives,
-            "attention": section_attention, "e2e": section_e2e}
+            "attention": section_attention, "e2e": section_e2e, "engine": section_engine}
 
 
 def main() -> int:

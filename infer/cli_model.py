@@ -34,13 +34,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "none: dequantize it to --dtype; fp8: quantize a float model's projections to fp8 at load")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: KV cache as e4m3 (1 byte a value: 2x the tokens of a 16-bit cache)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: capture no decode graphs (CUDA graphs on the cuda backend)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 and every multiple of 8 up "
+                        "to --max-num-seqs)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
              "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
-             "quantization", "kv_cache_dtype")
+             "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes")
     return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
 
 

@@ -95,7 +95,8 @@ def test_gpu_check_script_runs_every_section_on_toy_shapes():
     # Conformance is skipped: the parametrized test above runs all of it.
     out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance"])
     assert "gpu_check passed" in out
-    for line in ("[primitives]", "[attention]", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3"):
+    for line in ("[primitives]", "[attention]", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3", "[engine]",
+                 "greedy tokens equal before the first difference"):
         assert line in out, out
 
 
@@ -108,30 +109,6 @@ def test_without_the_variable_or_a_gpu_cuda_is_unavailable_with_the_reason():
         pytest.skip("this host has a GPU or runs everything interpreted")
     ok = CudaBackend.is_available()
     assert not ok and "TRITON_INTERPRET=1" in ok.reason and "no CUDA GPU" in ok.reason
-
-
-def test_cuda_graphs_are_not_taken_off_a_gpu_and_decode_runs_eagerly():
-    import torch
-    from tiny_models import make_model
-
-    from infer.backends.cuda.graphs import DecodeGraphs
-    from infer.core.lowering import lower
-    from infer.core.model_runner import ModelRunner
-    from infer.core.models.llama import build_llama
-    from infer.primitives.types import AttentionMetadata
-    from infer.registry import Ops, get_backend
-
-    _, config, weights = make_model("llama3")
-    backend = get_backend("torch")
-    runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), weights, "float32", 256)
-    runner.allocate_kv_caches(num_blocks=4, block_size=16)
-    graphs = DecodeGraphs(runner, max_model_len=256, max_blocks_per_seq=16, block_size=16, batch_sizes=(1, 2))
-    graphs.capture()
-    assert not graphs.enabled and not graphs.graphs
-    meta = AttentionMetadata(np.array([0, 1], np.int32), np.array([1], np.int32), np.array([[2]], np.int32),
-                             np.array([32], np.int64), 1, 1, 16)
-    logits = graphs.forward(np.array([5]), np.array([0]), meta)
-    assert isinstance(logits, torch.Tensor) and logits.shape == (1, 211) and torch.isfinite(logits).all()
 
 
 # -- checks run inside the interpreted child process -----------------------------------
@@ -269,6 +246,7 @@ def check_tiny_llama_greedy():
     import torch
     from tiny_models import make_model
 
+    from infer.backends.cuda.graphs import DecodeGraphs
     from infer.core.llm import LLM
     from infer.core.sampling_params import SamplingParams
 
@@ -280,13 +258,22 @@ def check_tiny_llama_greedy():
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
         got = {}
-        for name in ("cuda", "torch"):
+        for name in ("cuda", "torch", "cuda_padded"):
             # A small token budget so prompts are chunked and prefill mixes with decode.
-            llm = LLM(path, backend=name, skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=16)
-            assert llm.engine.ops.provider("attention").name == name
+            llm = LLM(path, backend=name.removesuffix("_padded"), skip_tokenizer_init=True, max_num_seqs=4,
+                      max_num_batched_tokens=16)
+            engine = llm.engine
+            assert engine.ops.provider("attention").name == name.removesuffix("_padded")
+            assert engine.decode_graphs is None  # interpreter mode captures nothing
+            if name == "cuda_padded":
+                # What a CUDA graph would replay (static buffers, batches padded to 1, 2 or 4), run eagerly.
+                engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
+                                                    (1, 2, 4), use_graphs=False)
+                engine.decode_graphs.capture()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             got[name] = [o.outputs[0].token_ids for o in outs]
+        assert engine.decode_graphs.replays > 0
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert got["cuda"] == got["torch"] == want, got
+    assert got["cuda"] == got["torch"] == got["cuda_padded"] == want, got

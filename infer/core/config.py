@@ -147,3 +147,16 @@ class SchedulerConfig:
                 "with chunked prefill off: long prompts could never be scheduled; raise the budget, "
                 "lower max_model_len or set enable_chunked_prefill=True"
             )
+
+
+def graph_batch_sizes(max_num_seqs: int, sizes=None) -> tuple[int, ...]:
+    """Decode batch sizes to capture as graphs: the given ones (vLLM's
+    ``cuda_graph_sizes``), else vLLM's pattern 1, 2, 4 and every multiple of 8
+    up to ``max_num_seqs``, which is always one of them, so every decode batch
+    the scheduler can form has a graph to be padded into."""
+    if sizes is not None:
+        out = sorted(set(sizes))
+        if not out or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in out):
+            raise ValueError(f"cuda_graph_sizes must be positive integers; got {list(sizes)!r}")
+        return tuple(out)
+    return tuple(sorted({s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if s <= max_num_seqs} | {max_num_seqs}))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +13,7 @@ import numpy as np
 
 from ..registry import Ops, get_backend, registry
 from ..primitives.types import AttentionMetadata
-from .config import POLICIES, CacheConfig, SchedulerConfig
+from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
 from .loader import load_model
 from .expert_load import ExpertLoad
 from .lowering import lower
@@ -60,6 +62,10 @@ class EngineArgs:
     quantization: str = "auto"
     # 'auto' (the model dtype) or 'fp8' (e4m3, per-layer scales: twice the tokens per byte).
     kv_cache_dtype: str = "auto"
+    # Run every step eagerly: no decode graphs (CUDA graphs on the cuda backend).
+    enforce_eager: bool = False
+    # Decode batch sizes to capture; None: 1, 2, 4, every multiple of 8, up to max_num_seqs.
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
 
 class LLMEngine:
@@ -104,6 +110,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched, cache, stop_checker=self._on_token)
         self.runner.allocate_kv_caches(cache.num_blocks, cache.block_size)
+        self.decode_graphs = None if a.enforce_eager else self._capture_decode(a, cache.block_size)
         eos = self.generation_config.get("eos_token_id", graph.config.eos_token_ids)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         self.vocab_size = graph.config.vocab_size
@@ -160,6 +167,31 @@ class LLMEngine:
         be.synchronize()
         self.runner.kv_caches = []
         return be.memory_info()[1]
+
+    def _capture_decode(self, a: EngineArgs, block_size: int):
+        """The backend's captured decode steps (None where it has none). A failed
+        capture is reported and the engine runs eagerly."""
+        sizes = graph_batch_sizes(a.max_num_seqs, a.cuda_graph_sizes)
+        show = sys.stderr.isatty() if a.show_progress is None else a.show_progress
+
+        def progress(items):
+            from tqdm import tqdm
+
+            return tqdm(items, desc="Capturing decode graphs", unit="graph", file=sys.stderr, disable=not show,
+                        leave=False)
+
+        log = logging.getLogger("infer")
+        start = time.perf_counter()
+        try:
+            graphs = self.backend.decode_graphs(self.runner, max_model_len=self.max_model_len, block_size=block_size,
+                                                batch_sizes=sizes, progress=progress)
+        except Exception as exc:  # noqa: BLE001  (any capture failure leaves eager decode working)
+            log.warning("backend '%s' failed to capture decode graphs (%s: %s); every step runs eagerly "
+                        "(--enforce-eager skips the attempt)", self.backend.name, type(exc).__name__, exc)
+            return None
+        if graphs is not None:
+            log.info("captured decode graphs for batch sizes %s in %.1f s", list(sizes), time.perf_counter() - start)
+        return graphs
 
     # -- requests ---------------------------------------------------------------
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
@@ -261,8 +293,14 @@ class LLMEngine:
             for cache in self.runner.kv_caches:
                 be.copy_blocks(cache, src, dst)
         mi = out.model_input()
-        logits = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions), be.asarray(mi.logits_indices),
-                                     self.ops.prepare_metadata(mi.attn_metadata))
+        graphs, meta = self.decode_graphs, mi.attn_metadata
+        if graphs is not None and graphs.can_replay(meta):
+            logits = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's
+            if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
+                logits = logits[be.asarray(mi.logits_indices)]
+        else:
+            logits = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions),
+                                         be.asarray(mi.logits_indices), self.ops.prepare_metadata(meta))
         if self.expert_load is not None:
             self.expert_load.record(self.runner.expert_counts)
         rows, comps = [], []
@@ -324,6 +362,8 @@ def _check_args(a: EngineArgs) -> None:
         value = getattr(a, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ValueError(f"{name} must be a positive integer, or None for the default; got {value!r}")
+    if a.cuda_graph_sizes is not None:
+        graph_batch_sizes(a.max_num_seqs, a.cuda_graph_sizes)  # raises on a bad size
     if a.kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {a.kv_cache_dtype!r}")
     if a.quantization not in QUANTIZATIONS:

@@ -183,3 +183,18 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing); CPU backends need nothing."""
+
+    def decode_graphs(self, runner, *, max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
+                      progress=iter):
+        """A captured decode for `runner`, or None (the default): every step runs eagerly.
+
+        A backend whose device can record and replay a forward (CUDA graphs)
+        returns an object with ``can_replay(meta) -> bool`` and
+        ``forward(input_ids, positions, meta) -> logits`` (host arrays in, the
+        logits of every row out), having captured a decode step of each
+        batch size in `batch_sizes` with the runner's KV caches, which exist
+        when the engine asks. The engine sends it the decode-only steps that
+        `can_replay` accepts and runs the rest through ``runner.forward``.
+        `progress` wraps the iterable of sizes (a progress bar).
+        """
+        return None

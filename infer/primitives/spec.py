@@ -51,6 +51,8 @@ attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scale
     position p sees key positions j with ``j <= p`` and, with a window W,
     ``p - j < W``. Softmax in float32. With an fp8 cache, ``kv_scales``
     (k_scale, v_scale) is given and K/V are read as ``e4m3(code) * scale``.
+    A request with ``seq_len`` 0 (one query, slot -1: a padding row of a
+    captured decode step) sees no key; its output row is zero.
 
 moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None) -> (out [T, H], tokens_per_expert [E])
     x [T, H], router_logits [T, E] (x's dtype or float32), w13 [E, 2I, H] (gate rows then up rows),

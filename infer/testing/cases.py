@@ -70,6 +70,8 @@ def _attention_specs(block_size: int) -> list[tuple[str, dict]]:
         ("mixed_gqa8_d128", dict(reqs=mixed, hq=16, d=128)),
         ("mixed_mqa_d64", dict(reqs=mixed, hq=4, hk=1, d=64)),
         ("one_token", dict(reqs=[(1, 1)], hq=2, d=64)),
+        # Padding rows of a captured decode step: seq_len 0, nothing to read, zero output.
+        ("decode_padding_rows_gqa3_d64", dict(reqs=[(1, 20), (1, 0), (1, 5), (1, 0), (1, 0)], hq=6, d=64)),
         ("empty_batch", dict(reqs=[], hq=2, d=64)),
         ("many_blocks_gqa3_d64", dict(reqs=[(1, 150), (16, 130)], hq=6, d=64)),
         ("sliding_window8_gqa3_d64", dict(reqs=mixed, hq=6, d=64, sliding_window=8)),

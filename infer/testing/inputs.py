@@ -97,7 +97,8 @@ def copy_blocks(rng, dtype, src, dst, hk=2, d=64, block_size=16, num_blocks=5):
 
 def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0,
               kv_scales=None):
-    """A paged batch: `reqs` is (q_len, seq_len) per request.
+    """A paged batch: `reqs` is (q_len, seq_len) per request; (1, 0) is a
+    padding row (as a captured decode step pads its batch): slot -1, no key.
 
     Blocks are shuffled and block 0 is never used, so a backend that ignores
     `block_table` or assumes contiguous blocks reads wrong (or zero) K/V.
@@ -115,6 +116,11 @@ def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None,
         start += n
         pos = np.arange(seq_len)
         slots = block_table[b, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        if seq_len == 0:  # a padding row (one query, no key): its K/V go to slot -1, nowhere
+            assert q_len == 1, "a request with seq_len 0 is a padding row of one query"
+            new_k.append(_normal(rng, (1, hk, d), dtype)), new_v.append(_normal(rng, (1, hk, d), dtype))
+            new_slots.append(np.array([-1], np.int64))
+            continue
         k, v = _normal(rng, (seq_len, hk, d), dtype), _normal(rng, (seq_len, hk, d), dtype)
         cut = seq_len - q_len
         cached_k.append(k[:cut]), cached_v.append(v[:cut]), cached_slots.append(slots[:cut])

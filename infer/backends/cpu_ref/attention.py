@@ -44,7 +44,7 @@ def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, 
     for b in range(meta.num_seqs):
         start, end = int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1])
         seq_len, q_len = int(meta.seq_lens[b]), end - start
-        if q_len == 0:
+        if q_len == 0 or seq_len == 0:  # seq_len 0: a padding row, which reads nothing (zero output)
             continue
         n_blocks = -(-seq_len // meta.block_size)
         k, v = gather_context(kv_cache, meta.block_table[b, :n_blocks], seq_len, kv_scales)

@@ -15,6 +15,7 @@ must not run before TRITON_INTERPRET has been read.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Any
 
 from ...primitives.types import QUANTIZED_KINDS, Support
@@ -56,6 +57,20 @@ class CudaBackend(TorchPlumbing):
         if primitive == "linear" and kw.get("weight_kind", "dense") == "dense":
             return Support(False, f"backend 'cuda' leaves dense linear to '{self.fallback}' (cuBLAS)")
         return super().supports(primitive, **kw)
+
+    def decode_graphs(self, runner, *, max_model_len, block_size, batch_sizes, progress=iter):
+        """CUDA graphs of the decode step on a GPU (`graphs.DecodeGraphs`); None in interpreter mode."""
+        if interpreting() or not str(self.device).startswith("cuda"):
+            return None
+        if runner.kv_cache_dtype == "fp8":
+            # Served by torch's attention, which plans each step on the host: nothing a graph can hold.
+            logging.getLogger("infer").info("cuda: no decode graphs with an fp8 KV cache (torch serves its attention)")
+            return None
+        from .graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(runner, max_model_len, block_size, batch_sizes)
+        graphs.capture(progress)
+        return graphs
 
     # -- primitives (kernels imported on first call) ----------------------------
     def rms_norm(self, x, weight, eps, residual=None):

@@ -10,13 +10,19 @@ graph is replayed.
 
 Padding rows (batch rounded up to a captured size) are requests with one
 query, ``seq_len`` 0 and slot -1: kv_write skips them and attention sees no
-key, so they write nothing and read nothing.
+key, so they write nothing and read nothing. They do pass through the MoE
+router, so their expert counts, measured once per size at capture, are taken
+off each step's counts.
 
-Only taken on a CUDA device (`enabled`); elsewhere `forward` runs the model
-runner eagerly, which is all the CPU tests can check.
+``use_graphs=False`` keeps everything but the graph: the step goes through
+the same static buffers and padding and the forward runs eagerly. That is
+what the CPU tests run (there is no CUDA graph off a GPU), and on a GPU it
+tells a broken capture from broken padding.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -27,76 +33,135 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class DecodeGraphs:
-    """Wraps a `ModelRunner` whose backend's device is CUDA."""
+    """Replays a captured forward of `runner` for decode-only steps of up to ``max(batch_sizes)`` requests."""
 
-    def __init__(self, runner, max_model_len: int, max_blocks_per_seq: int, block_size: int,
-                 batch_sizes=BATCH_SIZES):
-        self.runner, self.block_size = runner, block_size
-        self.max_model_len, self.max_blocks = max_model_len, max_blocks_per_seq
-        self.batch_sizes = tuple(sorted(batch_sizes))
-        device = str(runner.backend.device)
-        self.enabled = device.startswith("cuda") and torch.cuda.is_available()
-        self.device = device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+    def __init__(self, runner, max_model_len: int, block_size: int, batch_sizes: Iterable[int] = BATCH_SIZES,
+                 use_graphs: bool = True):
+        self.runner, self.block_size, self.max_model_len = runner, block_size, max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.device = torch.device(str(runner.backend.device))
+        if use_graphs and not (self.device.type == "cuda" and torch.cuda.is_available()):
+            raise ValueError(f"CUDA graphs need a CUDA device; the runner's is {self.device}")
+        self.use_graphs = use_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output
+        self.counts: dict[int, dict[int, torch.Tensor]] = {}  # each graph's expert counts (MoE layers)
+        self.pad_counts: dict[int, dict[int, torch.Tensor]] = {}  # one padding row's expert counts, per size
+        self.replays = 0  # steps served from the static buffers (a test and a log read it)
         self.pool = None
+        self._stage_buffers()
 
-    def _static(self, bs: int) -> dict:
-        dev, i32, i64 = self.device, torch.int32, torch.int64
-        return {
-            "ids": torch.zeros(bs, dtype=i64, device=dev),
-            "positions": torch.zeros(bs, dtype=i64, device=dev),
-            "rows": torch.arange(bs, dtype=i64, device=dev),
-            "query_start_loc": torch.arange(bs + 1, dtype=i32, device=dev),
-            "seq_lens": torch.zeros(bs, dtype=i32, device=dev),
-            "block_table": torch.zeros(bs, self.max_blocks, dtype=i32, device=dev),
-            "slot_mapping": torch.full((bs,), -1, dtype=i64, device=dev),
-        }
+    # -- static buffers -----------------------------------------------------------
+    def _stage_buffers(self) -> None:
+        """Two device buffers (int64: ids, positions, slots; int32: seq_lens, block
+        table) whose slices are the graphs' inputs, each filled from one host
+        buffer (pinned on a GPU) by one copy per step."""
+        n, w = self.batch_sizes[-1], self.max_blocks
+        pin = self.device.type == "cuda"
+        self._host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(n + n * w, dtype=torch.int32, pin_memory=pin)
+        on_host = self.device.type == "cpu"
+        self._dev64 = self._host64 if on_host else torch.zeros_like(self._host64, device=self.device)
+        self._dev32 = self._host32 if on_host else torch.zeros_like(self._host32, device=self.device)
+        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        self._copied = torch.cuda.Event() if pin else None
+        self._fill(*_padding_only())
+        self._rows = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
 
-    def _meta(self, s: dict) -> AttentionMetadata:
+    def _fill(self, ids, positions, seq_lens, slots, block_table, bs: int | None = None) -> None:
+        """Write a step (b requests) into the host buffers, the rows up to `bs`
+        (default: all) as padding, and copy what a graph of size `bs` reads."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffers
+        n, b, w = self.batch_sizes[-1], len(ids), self.max_blocks
+        bs = n if bs is None else bs
+        h64, h32 = self._np64, self._np32
+        h64[:b], h64[n:n + b], h64[2 * n:2 * n + b] = ids, positions, slots
+        h64[b:bs] = 0
+        h64[n + b:n + bs] = 0
+        h64[2 * n + b:2 * n + bs] = -1  # padding writes no slot
+        h32[:b], h32[b:bs] = seq_lens, 0  # and sees no key
+        # Table entries past a request's blocks are never read (keys stop at seq_len): no clearing.
+        if b:
+            h32[n:n + b * w].reshape(b, w)[:, :block_table.shape[1]] = block_table
+        if self._dev64 is not self._host64:
+            # A contiguous prefix of each buffer holds the first `bs` rows of the table.
+            self._dev64.copy_(self._host64, non_blocking=True)
+            self._dev32[:n + bs * w].copy_(self._host32[:n + bs * w], non_blocking=True)
+            self._copied.record()
+
+    def _inputs(self, bs: int):
+        """(ids, positions, rows, metadata) views of the static buffers for batch size `bs`."""
+        n, d64, d32 = self.batch_sizes[-1], self._dev64, self._dev32
         # max_seq_len is the capacity, not this step's: the launch (split
         # count) is frozen into the graph and must fit every later step.
-        return AttentionMetadata(s["query_start_loc"], s["seq_lens"], s["block_table"], s["slot_mapping"],
-                                 max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
+        meta = AttentionMetadata(self._query_start_loc[:bs + 1], d32[:bs], d32[n:].view(n, self.max_blocks)[:bs],
+                                 d64[2 * n:2 * n + bs], max_query_len=1, max_seq_len=self.max_model_len,
+                                 block_size=self.block_size)
+        return d64[:bs], d64[n:n + bs], self._rows[:bs], meta
 
-    def capture(self) -> None:
-        """Capture every batch size, largest first so smaller graphs share its memory pool."""
-        if not self.enabled:
-            return
-        for bs in reversed(self.batch_sizes):
-            s = self._static(bs)
-            meta = self._meta(s)
+    # -- capture ---------------------------------------------------------------------
+    def capture(self, progress: Callable[[Iterable], Iterable] = iter) -> None:
+        """Capture every batch size, largest first so smaller graphs reuse its memory pool.
+
+        Call it once the KV caches are allocated: the graphs read the caches they saw here.
+        """
+        for bs in progress(list(reversed(self.batch_sizes))):
+            self._fill(*_padding_only())
+            ids, positions, rows, meta = self._inputs(bs)
+            if not self.use_graphs:
+                self.runner.forward(ids, positions, rows, meta)
+                self.pad_counts[bs] = self._per_row(dict(self.runner.expert_counts), bs)
+                continue
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: compiles kernels, validates arguments
-                self.runner.forward(s["ids"], s["positions"], s["rows"], meta)
+                self.runner.forward(ids, positions, rows, meta)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.runner.forward(s["ids"], s["positions"], s["rows"], meta)
+                logits = self.runner.forward(ids, positions, rows, meta)
             self.pool = graph.pool()
-            self.graphs[bs] = (graph, s, logits)
+            self.graphs[bs], self.logits[bs], self.counts[bs] = graph, logits, dict(self.runner.expert_counts)
+            graph.replay()  # every row padding: what padding adds to the expert counts
+            self.pad_counts[bs] = self._per_row(self.counts[bs], bs)
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
 
+    @staticmethod
+    def _per_row(counts: dict[int, torch.Tensor], bs: int) -> dict[int, torch.Tensor]:
+        # Padding rows are identical (token 0 at position 0 attending to nothing), so each adds the same counts.
+        return {layer: c // bs for layer, c in counts.items()}
+
+    # -- steps -------------------------------------------------------------------------
     def can_replay(self, meta: AttentionMetadata) -> bool:
+        """Whether a step is one query per request with a captured size and a context that fits."""
         b = meta.num_seqs
-        return (self.enabled and meta.max_query_len == 1 and meta.num_tokens == b and b <= self.batch_sizes[-1]
+        return (0 < b <= self.batch_sizes[-1] and meta.max_query_len == 1 and meta.num_tokens == b
                 and meta.max_seq_len <= self.max_model_len and meta.block_table.shape[1] <= self.max_blocks)
 
     def forward(self, ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] of a step given as host arrays; replayed when it is a decode step that fits."""
-        backend = self.runner.backend
-        if not self.can_replay(meta) or not self.graphs:
-            rows = backend.asarray(np.arange(len(ids), dtype=np.int64))
-            return self.runner.forward(backend.asarray(ids), backend.asarray(positions), rows,
-                                       backend.prepare_metadata(meta))
+        """Logits [B, vocab] (float32) of every row of a step given as host arrays
+        (`can_replay` must hold); valid until the next call."""
         b = meta.num_seqs
         bs = next(n for n in self.batch_sizes if n >= b)
-        graph, s, logits = self.graphs[bs]
-        width = meta.block_table.shape[1]
-        s["ids"][:b].copy_(torch.from_numpy(np.asarray(ids, np.int64)), non_blocking=True)
-        s["positions"][:b].copy_(torch.from_numpy(np.asarray(positions, np.int64)), non_blocking=True)
-        s["seq_lens"].zero_()[:b].copy_(torch.from_numpy(np.asarray(meta.seq_lens, np.int32)), non_blocking=True)
-        s["slot_mapping"].fill_(-1)[:b].copy_(torch.from_numpy(np.asarray(meta.slot_mapping, np.int64)),
-                                              non_blocking=True)
-        s["block_table"][:b, :width].copy_(torch.from_numpy(np.asarray(meta.block_table, np.int32)), non_blocking=True)
-        graph.replay()
+        self._fill(ids, positions, meta.seq_lens, meta.slot_mapping, meta.block_table, bs)
+        if self.use_graphs:
+            self.graphs[bs].replay()
+            logits, counts = self.logits[bs], self.counts[bs]
+        else:
+            logits = self.runner.forward(*self._inputs(bs))
+            counts = dict(self.runner.expert_counts)
+        if counts:  # MoE: the step's counts without the padding's
+            pad = self.pad_counts[bs]
+            self.runner.expert_counts = {layer: c - (bs - b) * pad[layer] for layer, c in counts.items()}
+        self.replays += 1
         return logits[:b]
+
+
+def _padding_only():
+    """A step of no request: every row of the static buffers is padding."""
+    i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    return i64, i64, i32, i64, np.zeros((0, 0), np.int32)

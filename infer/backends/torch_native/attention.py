@@ -177,7 +177,8 @@ def plan_attention(query_start_loc, seq_lens) -> AttentionPlan:
     seq = torch.as_tensor(seq_lens).long().cpu()
     q_lens = qsl[1:] - qsl[:-1]
     groups = []
-    for select in (q_lens == 1, q_lens > 1):  # requests with no query this step join neither
+    # Requests with no query this step join neither group, nor do padding rows (seq_len 0: they read nothing).
+    for select in ((q_lens == 1) & (seq > 0), q_lens > 1):
         requests = torch.nonzero(select).flatten()
         if requests.numel():
             groups.append(_group(requests, qsl[requests], q_lens[requests], seq[requests]))

@@ -502,7 +502,10 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
         int64_t group = hq / hk, kv_row = hk * d;                                                           \
         for (int64_t b = 0; b < nseq; b++) {                                                                \
             int64_t lo = qsl[b], hi = qsl[b + 1], len = seq_lens[b];                                        \
-            if (lo < 0 || hi < lo || hi > ntok || len < hi - lo || (len + bs - 1) / bs > bt_width) return -1; \
+            /* len 0 with one query: a padding row, which reads no key and stays zero */                   \
+            if (lo < 0 || hi < lo || hi > ntok || (len < hi - lo && !(len == 0 && hi - lo == 1)) ||          \
+                (len + bs - 1) / bs > bt_width)                                                             \
+                return -1;                                                                                  \
             for (int64_t j = 0; j < (len + bs - 1) / bs; j++) {                                             \
                 int32_t blk = block_table[b * bt_stride + j];                                               \
                 if (blk < 0 || blk >= nblocks) return -1;                                                   \
