@@ -91,6 +91,10 @@ def test_tiny_llama_greedy_tokens_match_torch_and_transformers():
     _check("check_tiny_llama_greedy")
 
 
+def test_decode_forward_never_waits_for_the_device_so_a_cuda_graph_can_hold_it():
+    _check("check_decode_forward_has_no_host_sync")
+
+
 def test_gpu_check_script_runs_every_section_on_toy_shapes():
     # Conformance is skipped: the parametrized test above runs all of it.
     out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance"])
@@ -277,3 +281,54 @@ def check_tiny_llama_greedy():
         want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert got["cuda"] == got["torch"] == got["cuda_padded"] == want, got
+
+
+# Ops after which the host needs a device value (a sync on a GPU, an error inside a
+# CUDA-graph capture): scalar reads (.item(), int(t), bool(t)) and data-dependent shapes.
+_HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
+                  "equal", "is_nonzero", "repeat_interleave"}
+
+
+def check_decode_forward_has_no_host_sync():
+    """A decode step of a dense and of an MoE model, from `DecodeGraphs`' static buffers,
+    dispatches no op that reads a device value on the host (Triton's own interpreter aside)."""
+    import traceback
+
+    import torch
+    from tiny_models import make_model
+    from tiny_moe_models import make_moe_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from infer.backends.cuda.graphs import DecodeGraphs
+    from infer.core.lowering import lower
+    from infer.core.model_runner import ModelRunner
+    from infer.core.models.llama import build_llama
+    from infer.core.models.moe import build_moe
+    from infer.registry import Ops, get_backend
+
+    class HostSyncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found, self.ops = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            bool_index = name == "index" and any(getattr(i, "dtype", None) == torch.bool for i in args[1] if i is not None)
+            if name in _HOST_SYNC_OPS or bool_index:
+                stack = traceback.format_stack()
+                if not any("triton/runtime/interpreter" in frame for frame in stack):
+                    self.found.append(f"{name}:\n" + "".join(stack[-8:-1]))
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    backend = get_backend("cuda")
+    for build, (_, config, weights) in ((build_llama, make_model("llama3")), (build_moe, make_moe_model("mixtral"))):
+        runner = ModelRunner(lower(build(config)), backend, Ops(backend), weights, "float32", 256)
+        runner.allocate_kv_caches(num_blocks=8, block_size=16)
+        graphs = DecodeGraphs(runner, 256, 16, (1, 2, 4), use_graphs=False)
+        graphs.capture()  # the first forward validates its arguments: not what a graph holds
+        spy = HostSyncs()
+        with spy:
+            runner.forward(*graphs._inputs(4))
+        assert spy.ops > 50, spy.ops  # the spy saw the forward
+        assert not spy.found, "\n".join(spy.found)
