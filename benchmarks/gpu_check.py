@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                # on a GPU: the full check
     python benchmarks/gpu_check.py --smoke        # anywhere: tiny shapes in Triton's interpreter on the CPU
     python benchmarks/gpu_check.py --json out.json --skip conformance
+    python benchmarks/gpu_check.py --only tune    # the tile sweep alone
 
 Sections, each timed and reported as it finishes (a failing section is a
 line, not a crash, and makes the exit status 1):
@@ -21,6 +22,9 @@ line, not a crash, and makes the exit status 1):
   6. engine     LLMEngine on a random 1B-sized Llama saved by transformers:
                 a batch of greedy requests with --enforce-eager and with the
                 engine's decode graphs; tokens/s of each and their agreement.
+  7. tune       (only with --tune or --only tune) sweeps the launch parameters
+                of paged attention (decode, long decode, prefill) and of the
+                int4 linear (T=1 and a prefill-sized T); prints the best of each.
 Without a GPU the script switches to --smoke by itself: TRITON_INTERPRET=1 is
 set before any kernel module is imported, shapes shrink to toy sizes, and the
 numbers only prove that every path runs.
@@ -71,6 +75,9 @@ def parse_args():
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's interpreter (automatic without a GPU)")
     p.add_argument("--skip", action="append", default=[],
                    help="skip a section: peaks, conformance, primitives, attention, e2e, engine")
+    p.add_argument("--tune", action="store_true",
+                   help="also sweep the attention and int4-linear launch parameters (a few minutes on a GPU)")
+    p.add_argument("--only", action="append", default=[], help="run only this section (repeatable)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
 
@@ -228,7 +235,7 @@ def section_primitives(out):
                          rnd(H, I // 32, dtype=torch.float32, scale=0.01), rnd(H, I // 32, dtype=torch.float32, scale=0.01),
                          32, dtype=str(DT).removeprefix("torch."))
     qw_torch = TORCH.prepare_weight(qw)
-    for t in (1, 16):
+    for t in (1, 16) + (() if SMOKE_MODE else (2048,)):  # decode, a batch, a prefill chunk
         xq = rnd(t, I)
         row(f"linear int4 g32 T={t} N={H} K={I}", lambda: CUDA.linear(xq, qw), lambda: TORCH.linear(xq, qw_torch),
             nbytes=H * I // 2 + 2 * H * (I // 32) * 4, flops=2 * t * H * I)
@@ -408,8 +415,81 @@ def section_engine(out):
         raise AssertionError(f"graphs and eager disagree on the first token of most requests: {same}")
 
 
+# -- 7. tile sweep (opt-in: --tune) ---------------------------------------------------------
+def _sweep(label, run, default, configs):
+    """Time `run(config)` for the default and each alternative; an alternative that
+    fails to build (shared memory, registers) or changes the result is skipped."""
+    ref = run(default).float()
+    scale = ref.abs().max().clamp_min(1e-6)
+    t_default = timed(lambda: run(default))
+    best_t, best, tried = t_default, default, []
+    for cfg in configs:
+        try:
+            diff = ((run(cfg).float() - ref).abs().max() / scale).item()
+        except Exception as exc:  # noqa: BLE001  (a config the compiler rejects)
+            tried.append(dict(config=cfg, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
+            continue
+        if diff > 2e-2:
+            tried.append(dict(config=cfg, error=f"result off by {diff:.1e} of max"))
+            continue
+        t = timed(lambda: run(cfg))
+        tried.append(dict(config=cfg, ms=t * 1e3))
+        if t < best_t:
+            best_t, best = t, cfg
+    ok = sum("ms" in r for r in tried)
+    print(f"  {label}: default {t_default * 1e3:.3f} ms {default}; best {best_t * 1e3:.3f} ms {best} "
+          f"(x{t_default / best_t:.2f}; {ok} of {len(configs)} alternatives ran)")
+    return dict(default=default, default_ms=t_default * 1e3, best=best, best_ms=best_t * 1e3, tried=tried)
+
+
+def section_tune(out):
+    """Sweep the launch parameters of the attention and quantized-linear kernels
+    (their defaults are guesses made without a GPU) at Llama-3-8B shapes."""
+    import itertools
+
+    from infer.backends.cuda import quant_linear
+    from infer.backends.cuda.attention import launch_config
+    from infer.backends.cuda.launch import next_pow2
+    from infer.primitives.types import Int4GroupWeight
+
+    D = S.head_dim
+    gp = next_pow2(S.heads // S.kv_heads)
+    trim = (lambda c: c[:2]) if SMOKE_MODE else (lambda c: c)
+
+    def grid(rows, tiles, warps, stages):
+        return trim([dict(rows=r, tile_n=t, num_warps=w, num_stages=st)
+                     for r, t, w, st in itertools.product(rows, tiles, warps, stages)])
+
+    cases = (("attention decode", S.decode, 1, (16, 32)), ("attention long decode", S.long_decode, 1, (16, 32)),
+             ("attention prefill", S.prefill_seqs, None, (32, 64, 128)))
+    for label, (b, c), q_len, rows in cases:
+        q_len = q_len or c
+        meta = _decode_meta(b, c, q_len=q_len)
+        cache = CUDA.allocate_kv_cache(b * (-(-c // S.block_size)), S.block_size, S.kv_heads, D, "bfloat16")
+        cache.normal_()
+        q = rnd(b * q_len, S.heads, D)
+        m = CUDA.prepare_metadata(meta)
+        default = launch_config(DT, meta.max_query_len, gp)
+        configs = [cfg for cfg in grid(rows, (32, 64, 128), (4, 8), (2, 3)) if cfg != default]
+        out[label] = _sweep(f"{label} {b}x{c}", lambda cfg: paged_attention(q, cache, m, D**-0.5, config=cfg),
+                            default, configs)
+    H, I = S.hidden, S.inter
+    w = Int4GroupWeight(torch.randint(0, 256, (H, I // 2), dtype=torch.uint8, device=DEV),
+                        rnd(H, I // 32, dtype=torch.float32, scale=0.01), rnd(H, I // 32, dtype=torch.float32, scale=0.01),
+                        32, dtype=str(DT).removeprefix("torch."))
+    for t, space in ((1, itertools.product((16,), (16, 32, 64, 128), (64, 128, 256), (2, 4))),
+                     (2048 if not SMOKE_MODE else 40, itertools.product((64, 128), (64, 128), (32, 64), (4, 8)))):
+        x = rnd(t, I)
+        default = quant_linear.tiles(t, DT)
+        configs = trim([cfg for cfg in space if cfg != default])
+        out[f"int4 linear T={t}"] = _sweep(f"int4 linear g32 T={t} N={H} K={I}",
+                                           lambda cfg: quant_linear.linear(x, w, cfg), default, configs)
+    best = {k: v["best"] for k, v in out.items()}
+    print("  best: " + json.dumps(best, default=str))
+
+
 SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "primitives": section_primitives,
-            "attention": section_attention, "e2e": section_e2e, "engine": section_engine}
+            "attention": section_attention, "e2e": section_e2e, "engine": section_engine, "tune": section_tune}
 
 
 def main() -> int:
@@ -420,7 +500,8 @@ def main() -> int:
     ok = True
     start = time.perf_counter()
     for sec, fn in SECTIONS.items():
-        if sec in ARGS.skip:
+        wanted = sec in ARGS.only if ARGS.only else sec not in ARGS.skip and (sec != "tune" or ARGS.tune)
+        if not wanted:
             continue
         t = time.perf_counter()
         print(f"[{sec}]")

@@ -97,10 +97,10 @@ def test_decode_forward_never_waits_for_the_device_so_a_cuda_graph_can_hold_it()
 
 def test_gpu_check_script_runs_every_section_on_toy_shapes():
     # Conformance is skipped: the parametrized test above runs all of it.
-    out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance"])
+    out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance", "--tune"])
     assert "gpu_check passed" in out
     for line in ("[primitives]", "[attention]", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3", "[engine]",
-                 "greedy tokens equal before the first difference"):
+                 "greedy tokens equal before the first difference", "[tune]", "int4 linear g32 T=40", "best: {"):
         assert line in out, out
 
 

@@ -186,10 +186,26 @@ def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, 32))
 
 
+def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int) -> dict:
+    """Tile rows (query tokens x query heads of a program), keys per step, warps and
+    pipeline stages. Untuned guesses: `benchmarks/gpu_check.py --tune` sweeps them on a GPU."""
+    # tl.dot wants >= 16 rows; a decode step has one query per request, so its
+    # tiles are filled with query heads rather than with tokens it lacks.
+    if q_dtype == torch.float32:
+        # fp32 tiles are twice the bytes and fp32 dots run on FMA units: smaller
+        # tiles, more warps and fewer pipeline stages keep them in registers and
+        # shared memory (fp32 is for tests; the model dtypes are fp16/bf16).
+        return dict(rows=16, tile_n=TILE_N // 2, num_warps=8, num_stages=2)
+    rows = 16 if max_query_len <= 1 else 64
+    # A program's score tile has max(rows, group_pad) rows (a KV head's query heads at least).
+    return dict(rows=rows, tile_n=TILE_N, num_warps=4 if max(rows, group_pad) <= 16 else 8, num_stages=3)
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
-    """[T, Hq, D] attention of every query row; rows of no request stay zero."""
+                    num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """[T, Hq, D] attention of every query row; rows of no request stay zero.
+    `config` overrides `launch_config` (for tuning)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = int(meta.seq_lens.shape[0])
     out = torch.zeros_like(q)
@@ -201,20 +217,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
-    # tl.dot wants >= 16 rows; a decode step has one query per request, so its
-    # tiles are filled with query heads rather than with tokens it lacks.
-    rows = 16 if meta.max_query_len <= 1 else 64
-    # fp32 tiles are twice the bytes and fp32 dots run on FMA units: smaller
-    # tiles, more warps and fewer pipeline stages keep them in registers and
-    # shared memory (fp32 is for tests; the model dtypes are fp16/bf16).
-    fp32 = q.dtype == torch.float32
-    if fp32:
-        rows = 16
-    block_q = max(1, rows // group_pad)
+    cfg = config or launch_config(q.dtype, meta.max_query_len, group_pad)
+    block_q = max(1, cfg["rows"] // group_pad)
     if num_splits is None:
         num_splits = default_num_splits(q.device, num_seqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
     block_d = max(16, next_pow2(head_dim))
-    num_warps = 4 if block_q * group_pad <= 16 and not fp32 else 8
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -230,9 +237,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0), *pstrides,
         BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, TILE=TILE_N // 2 if fp32 else TILE_N, NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, TILE=cfg["tile_n"], NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        F32=compute_f32(q.dtype), PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=2 if fp32 else 3,
+        F32=compute_f32(q.dtype), PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

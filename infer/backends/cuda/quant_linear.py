@@ -11,9 +11,13 @@ never exists in memory, so the weight is read at its stored width.
 * fp8 (`Fp8Weight`): e4m3fn codes decoded with integer ops (sign, exponent,
   mantissa; subnormals ``m * 2^-9``), times one scale per row or per tensor.
 
-Dequantized tiles and activations meet in float32 (exact against the
-dequantized-weight reference); bias is added in float32 before the result is
-rounded to the activation dtype.
+With fp16/bf16 activations the dequantized tile is rounded to their dtype and
+the product runs on the tensor cores with a float32 accumulator (as vLLM's
+AWQ/GPTQ kernels do): a float32 `tl.dot` runs on the FMA units, an order of
+magnitude slower for prefill-sized T. float32 activations (and bf16 under the
+interpreter, whose bf16 arithmetic is wrong) meet the tile in float32, exact
+against the dequantized-weight reference. Bias is added in float32 before the
+result is rounded to the activation dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from .launch import compute_f32
 
 KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
 
@@ -42,7 +47,7 @@ def _e4m3_to_f32(code):
 def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_qn, stride_sn,
                          stride_out, KIND: tl.constexpr, GROUP: tl.constexpr, PER_TENSOR: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, F32: tl.constexpr):
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     ts = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     ns = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -71,14 +76,33 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, st
             else:
                 scale = tl.load(s_ptr + ns, mask=n_ok, other=0.0)[:, None]
             w = _e4m3_to_f32(code) * scale
-        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        if F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_BIAS:
         acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + ts[:, None] * stride_out + ns[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & n_ok[None, :])
 
 
-def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
+def tiles(t: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) for T rows of x.
+
+    Few rows (decode) stream the weight: long K tiles keep more bytes in
+    flight per program. Many rows with 16-bit x are a tensor-core GEMM; float32
+    x runs on the FMA units and keeps small tiles. Untuned guesses:
+    `benchmarks/gpu_check.py` sweeps the alternatives on a GPU.
+    """
+    if t <= 16:
+        return 16, 32, 128, 4
+    if compute_f32(dtype):
+        return 32, 32, 32, 4
+    return 64, 64, 64, 4
+
+
+def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ w.T`` (+ bias) for a quantized weight; `config` overrides `tiles` (for tuning)."""
     if w.kind not in KINDS:
         raise TypeError(f"cuda quantized linear: no kernel for weight kind {w.kind!r}")
     t, k = x.shape
@@ -95,12 +119,11 @@ def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     group = w.group_size if isinstance(w, (Int4GroupWeight, Int8GroupWeight)) else 1
     per_tensor = isinstance(w, Fp8Weight) and scales.numel() == 1
     bias = w.bias if w.bias is not None else scales  # unread without HAS_BIAS
-    block_t = 16 if t <= 16 else 32
-    block_n, block_k = 32, 32
+    block_t, block_n, block_k, warps = config or tiles(t, x.dtype)
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
         x, q, scales, offsets, bias, out, t, n, k, x.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() > 1 or not per_tensor else 0, out.stride(0),
         KIND=KINDS[w.kind], GROUP=group, PER_TENSOR=per_tensor, HAS_BIAS=w.bias is not None,
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, F32=compute_f32(x.dtype), num_warps=warps)
     return out
