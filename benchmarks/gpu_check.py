@@ -33,6 +33,7 @@ numbers only prove that every path runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -377,7 +378,7 @@ def section_engine(out):
         del model
         for eager in (True, False):
             llm = LLM(path, backend="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=batch,
-                      max_model_len=512, enforce_eager=eager, show_progress=False)
+                      max_model_len=512, enforce_eager=eager, show_progress=False, kv_cache_memory=2 << 30)
             engine = llm.engine
             if not eager and engine.decode_graphs is None and SMOKE_MODE:
                 engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
@@ -400,6 +401,7 @@ def section_engine(out):
             if not eager and replays == 0:
                 raise AssertionError("no decode step went through the graphs")
             del llm, engine
+            gc.collect()  # the engine's reference cycles hold its KV pool until collected
             if DEV.startswith("cuda"):
                 torch.cuda.empty_cache()
     # Random weights make near-ties common, and the graphs' split count (from the
@@ -516,6 +518,7 @@ def main() -> int:
         out["seconds"] = time.perf_counter() - t
         RESULTS["sections"][sec] = out
         print(f"  ({out['seconds']:.1f} s)")
+        gc.collect()  # a section's runner (closures referring back to it) is a reference cycle
         if DEV.startswith("cuda"):
             torch.cuda.empty_cache()
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")
