@@ -120,6 +120,27 @@ def test_a_one_token_prompt_chunk_in_a_decode_shaped_step_samples_nothing(tiny, 
     assert done == {**{f"s{i}": greedy(model, p, 8) for i, p in enumerate(short)}, "long": greedy(model, long, 8)}
 
 
+def test_preemption_forks_and_seeded_sampling_give_what_eager_steps_give(tiny, static_graphs, leak_check):
+    """Small blocks (wide block tables), a pool too small for every request (preemption and
+    recompute), n=3 forks sharing blocks copy-on-write, seeded sampling with logprobs."""
+    _, path = tiny
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(3, VOCAB, n).tolist()} for n in (21, 5, 37, 16)]
+    params = [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=14, ignore_eos=True, logprobs=2,
+                             n=3 if i == 1 else 1) for i in range(len(prompts))]
+    got = {}
+    for eager in (True, False):
+        llm = make(path, leak_check, block_size=4, max_model_len=64, num_gpu_blocks_override=24, enforce_eager=eager)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[eager] = [(c.token_ids, [[step[t].logprob for t in sorted(step)] for step in c.logprobs])
+                      for o in outs for c in o.outputs]
+        assert llm.engine.scheduler.get_stats().num_preemptions > 0
+    assert llm.engine.decode_graphs.replays > 0
+    assert [t for t, _ in got[False]] == [t for t, _ in got[True]]
+    for (_, a), (_, b) in zip(got[False], got[True]):
+        np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), atol=1e-5)
+
+
 def test_moe_expert_counts_leave_the_padding_out(tmp_path, static_graphs, leak_check):
     save_moe_model("mixtral", tmp_path)
     rng = np.random.default_rng(2)
