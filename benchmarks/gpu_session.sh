@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device session's checks of the `cuda` backend, as a single command run from
+# the repository root on a GPU machine that has torch and triton but cannot
+# reach PyPI (the workplace's H200 image lacks gguf, which the engine imports).
+#
+# Before (on a machine with PyPI), from the repository root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+# Then run this script there with `.whl` carried along; results land in $OUT
+# (or ./gpu-results): gpu_check.log/.json, and with --tune tune.log/.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-results}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/infer-site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="/tmp/infer-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
+rc=${PIPESTATUS[0]}
+if [[ "${1:-}" == "--tune" ]]; then
+    python3 benchmarks/gpu_check.py --only tune --json "$out/tune.json" 2>&1 | tee "$out/tune.log"
+fi
+exit "$rc"
