@@ -19,9 +19,11 @@ line, not a crash, and makes the exit status 1):
                 prefill throughput, decode step eager and with CUDA graphs at
                 batch 1 (target: >= 80% of the weight-streaming roofline) and
                 batch 64.
-  6. engine     LLMEngine on a random 1B-sized Llama saved by transformers:
-                a batch of greedy requests with --enforce-eager and with the
-                engine's decode graphs; tokens/s of each and their agreement.
+  6. engine     LLMEngine on a random 1B-sized Llama and a small random
+                Mixtral saved by transformers: a batch of greedy requests with
+                --enforce-eager, with the graphs' padded static buffers run
+                eagerly, and with the engine's CUDA graphs (the last two must
+                give equal tokens and expert counts); tokens/s of each.
   7. tune       (only with --tune or --only tune) sweeps the launch parameters
                 of paged attention (decode, long decode, prefill) and of the
                 int4 linear (T=1 and a prefill-sized T); prints the best of each.
@@ -351,70 +353,94 @@ def section_e2e(out):
         print(f"  target: batch-1 decode >= 80% of the HBM roofline: {share:.0%} -> {'MET' if share >= 0.8 else 'MISSED'}")
 
 
-def section_engine(out):
-    """LLMEngine on the cuda backend with and without its decode graphs: a random
-    Llama saved by transformers (no hub), greedy, one batch of requests."""
-    import tempfile
-
+def _random_checkpoint(kind: str, path: str) -> int:
+    """Save a random bf16 model of `kind` ('llama': ~1B dense; 'mixtral': a small
+    8-expert top-2 MoE) as transformers writes it; returns its vocabulary size."""
     import transformers
 
+    if kind == "llama":
+        dims = (2048, 8, 16, 4, 5632) if not SMOKE_MODE else (64, 2, 4, 2, 96)
+        extra, cls = {}, (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    else:
+        dims = (1024, 4, 16, 4, 2048) if not SMOKE_MODE else (64, 2, 4, 2, 48)
+        extra, cls = dict(num_local_experts=8, num_experts_per_tok=2), (transformers.MixtralConfig,
+                                                                        transformers.MixtralForCausalLM)
+    h, layers, heads, kv, inter = dims
+    vocab = 32000 if not SMOKE_MODE else 128
+    cfg = cls[0](hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                 intermediate_size=inter, vocab_size=vocab, max_position_embeddings=2048, **extra)
+    torch.manual_seed(0)
+    cls[1](cfg).to(torch.bfloat16).save_pretrained(path)
+    return vocab
+
+
+def section_engine(out):
+    """LLMEngine on the cuda backend, a random dense and a random MoE model saved by
+    transformers (no hub), one batch of greedy requests, three ways: --enforce-eager;
+    the graphs' static buffers and padding run eagerly (use_graphs=False); the
+    engine's CUDA graphs. The last two run the same kernels on the same inputs, so
+    their tokens (and MoE expert counts) must be equal; eager ones may part at a
+    near-tie (its split count follows each step's context, not the capacity)."""
+    import tempfile
+
+    from infer.core.config import graph_batch_sizes
     from infer.core.llm import LLM
     from infer.core.sampling_params import SamplingParams
 
-    h, layers, heads, kv, inter, vocab = (2048, 8, 16, 4, 5632, 32000) if not SMOKE_MODE else (64, 2, 4, 2, 96, 128)
-    cfg = transformers.LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                                   num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                                   max_position_embeddings=2048, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     batch, new = (32, 64) if not SMOKE_MODE else (3, 4)
-    rng = np.random.default_rng(3)
-    prompts = [{"prompt_token_ids": rng.integers(3, cfg.vocab_size, int(n)).tolist()}
-               for n in rng.integers(8, 200 if not SMOKE_MODE else 20, batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    got = {}
-    with tempfile.TemporaryDirectory() as path:
-        model.save_pretrained(path)
-        del model
-        for eager in (True, False):
-            llm = LLM(path, backend="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=batch,
-                      max_model_len=512, enforce_eager=eager, show_progress=False, kv_cache_memory=2 << 30)
-            engine = llm.engine
-            if not eager and engine.decode_graphs is None and SMOKE_MODE:
-                engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
-                                                    (1, 2, 4), use_graphs=False)
-                engine.decode_graphs.capture()
-            if not eager and engine.decode_graphs is None:
-                raise AssertionError("the engine captured no decode graphs on the GPU")
-            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
-            sync()
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            sync()
-            seconds = time.perf_counter() - start
-            name = "eager" if eager else "graphs"
-            replays = engine.decode_graphs.replays if engine.decode_graphs is not None else 0
-            got[name] = [o.outputs[0].token_ids for o in outs]
-            print(f"  {name}: {batch} requests x {new} tokens in {seconds:.2f} s, {batch * new / seconds:,.0f} tok/s"
-                  f" ({replays} graph replays)")
-            out[name] = dict(seconds=seconds, tokens_per_s=batch * new / seconds, replays=replays)
-            if not eager and replays == 0:
-                raise AssertionError("no decode step went through the graphs")
-            del llm, engine
-            gc.collect()  # the engine's reference cycles hold its KV pool until collected
-            if DEV.startswith("cuda"):
-                torch.cuda.empty_cache()
-    # Random weights make near-ties common, and the graphs' split count (from the
-    # captured capacity) rounds differently from eager's: a diverging token
-    # changes the rest of its request, so agreement is counted up to the first.
-    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-            for x, y in zip(got["eager"], got["graphs"])]
-    agree = sum(same) / sum(len(x) for x in got["eager"])
-    print(f"  greedy tokens equal before the first difference: {agree:.1%}; "
-          f"graphs/eager speed x{out['graphs']['tokens_per_s'] / out['eager']['tokens_per_s']:.2f}")
-    out["agreement"] = agree
-    if sum(s > 0 for s in same) < len(same) // 2:
-        raise AssertionError(f"graphs and eager disagree on the first token of most requests: {same}")
+    for kind in ("llama", "mixtral"):
+        res, got, load = out.setdefault(kind, {}), {}, {}
+        with tempfile.TemporaryDirectory() as path:
+            vocab = _random_checkpoint(kind, path)
+            rng = np.random.default_rng(3)
+            prompts = [{"prompt_token_ids": rng.integers(3, vocab, int(n)).tolist()}
+                       for n in rng.integers(8, 200 if not SMOKE_MODE else 20, batch)]
+            params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+            for mode in ("eager", "static", "graphs"):
+                llm = LLM(path, backend="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=batch,
+                          max_model_len=512, enforce_eager=mode != "graphs", show_progress=False,
+                          kv_cache_memory=2 << 30)
+                engine = llm.engine
+                if mode == "graphs" and engine.decode_graphs is None and not SMOKE_MODE:
+                    raise AssertionError("the engine captured no decode graphs on the GPU")
+                if mode == "static" or engine.decode_graphs is None and mode == "graphs":  # smoke: no CUDA graph
+                    engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len,
+                                                        engine.cache_config.block_size, graph_batch_sizes(batch),
+                                                        use_graphs=False)
+                    engine.decode_graphs.capture()
+                llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
+                if engine.expert_load is not None:
+                    engine.expert_load.reset()
+                sync()
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                sync()
+                seconds = time.perf_counter() - start
+                replays = engine.decode_graphs.replays if engine.decode_graphs is not None else 0
+                got[mode] = [o.outputs[0].token_ids for o in outs]
+                if engine.expert_load is not None:
+                    load[mode] = engine.expert_load.snapshot().tokens_per_expert
+                print(f"  {kind} {mode}: {batch} requests x {new} tokens in {seconds:.2f} s, "
+                      f"{batch * new / seconds:,.0f} tok/s ({replays} steps through the graphs' buffers)")
+                res[mode] = dict(seconds=seconds, tokens_per_s=batch * new / seconds, replays=replays)
+                if mode != "eager" and replays == 0:
+                    raise AssertionError("no decode step went through the graphs")
+                del llm, engine
+                gc.collect()  # the engine's reference cycles hold its KV pool until collected
+                if DEV.startswith("cuda"):
+                    torch.cuda.empty_cache()
+        # Agreement with eager counted up to each request's first difference (it changes the rest).
+        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                for x, y in zip(got["eager"], got["graphs"])]
+        res["eager_agreement"] = sum(same) / sum(len(x) for x in got["eager"])
+        print(f"  {kind}: graphs x{res['graphs']['tokens_per_s'] / res['eager']['tokens_per_s']:.2f} the speed of "
+              f"eager; greedy tokens equal to eager's before the first difference: {res['eager_agreement']:.1%}")
+        if got["graphs"] != got["static"]:
+            bad = sum(a != b for a, b in zip(got["graphs"], got["static"]))
+            raise AssertionError(f"{kind}: {bad} of {batch} requests differ between CUDA-graph replays and the "
+                                 "same padded steps run eagerly")
+        if load and not np.array_equal(load["graphs"], load["static"]):
+            raise AssertionError(f"{kind}: expert counts differ between replays and eager padded steps")
 
 
 # -- 7. tile sweep (opt-in: --tune) ---------------------------------------------------------

@@ -120,6 +120,22 @@ def test_a_one_token_prompt_chunk_in_a_decode_shaped_step_samples_nothing(tiny, 
     assert done == {**{f"s{i}": greedy(model, p, 8) for i, p in enumerate(short)}, "long": greedy(model, long, 8)}
 
 
+def test_one_token_prefill_chunks_run_through_the_graphs_and_only_prompt_ends_sample(tiny, static_graphs,
+                                                                                       leak_check):
+    """long_prefill_token_threshold=1 cuts every prompt into one-token chunks, so every step
+    has one query per request and goes to the graphs: rows that do not sample (a prompt's
+    inner tokens) sit anywhere in the batch, and the engine must sample the right rows."""
+    model, path = tiny
+    llm = make(path, leak_check, long_prefill_token_threshold=1)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (9, 2, 5, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [greedy(model, p, 5) for p in prompts]
+    graphs = llm.engine.decode_graphs
+    assert graphs.replays == max(len(p) + 5 - 1 for p in prompts)  # every step, prefill included
+
+
 def test_preemption_forks_and_seeded_sampling_give_what_eager_steps_give(tiny, static_graphs, leak_check):
     """Small blocks (wide block tables), a pool too small for every request (preemption and
     recompute), n=3 forks sharing blocks copy-on-write, seeded sampling with logprobs."""

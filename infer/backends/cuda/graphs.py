@@ -22,6 +22,7 @@ tells a broken capture from broken padding.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable
 
 import numpy as np
@@ -45,12 +46,13 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device; the runner's is {self.device}")
         self.use_graphs = use_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each graph's output
+        self._out: torch.Tensor | None = None  # the graphs' logits, rows [:bs] for size bs
         self.counts: dict[int, dict[int, torch.Tensor]] = {}  # each graph's expert counts (MoE layers)
         self.pad_counts: dict[int, dict[int, torch.Tensor]] = {}  # one padding row's expert counts, per size
         self.replays = 0  # steps served from the static buffers (a test and a log read it)
         self.pool = None
-        self._stage_buffers()
+        with self._on_device():
+            self._stage_buffers()
 
     # -- static buffers -----------------------------------------------------------
     def _stage_buffers(self) -> None:
@@ -108,27 +110,37 @@ class DecodeGraphs:
 
         Call it once the KV caches are allocated: the graphs read the caches they saw here.
         """
-        for bs in progress(list(reversed(self.batch_sizes))):
-            self._fill(*_padding_only())
-            ids, positions, rows, meta = self._inputs(bs)
-            if not self.use_graphs:
-                self.runner.forward(ids, positions, rows, meta)
-                self.pad_counts[bs] = self._per_row(dict(self.runner.expert_counts), bs)
-                continue
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: compiles kernels, validates arguments
-                self.runner.forward(ids, positions, rows, meta)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.runner.forward(ids, positions, rows, meta)
-            self.pool = graph.pool()
-            self.graphs[bs], self.logits[bs], self.counts[bs] = graph, logits, dict(self.runner.expert_counts)
-            graph.replay()  # every row padding: what padding adds to the expert counts
-            self.pad_counts[bs] = self._per_row(self.counts[bs], bs)
-        if self.use_graphs:
-            torch.cuda.synchronize(self.device)
+        with self._on_device():
+            for bs in progress(list(reversed(self.batch_sizes))):
+                self._capture(bs)
+            if self.use_graphs:
+                torch.cuda.synchronize(self.device)
+
+    def _on_device(self):
+        """Make the graphs' device current (Triton, streams and events use the current device)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _capture(self, bs: int) -> None:
+        self._fill(*_padding_only())
+        ids, positions, rows, meta = self._inputs(bs)
+        if not self.use_graphs:
+            self.runner.forward(ids, positions, rows, meta)
+            self.pad_counts[bs] = self._per_row(dict(self.runner.expert_counts), bs)
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compiles kernels, validates arguments
+            logits = self.runner.forward(ids, positions, rows, meta)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._out is None:  # every graph writes its logits here: one [largest size, vocab] buffer in all
+            self._out = torch.empty(self.batch_sizes[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._out[:bs].copy_(self.runner.forward(ids, positions, rows, meta))
+        self.pool = graph.pool()
+        self.graphs[bs], self.counts[bs] = graph, dict(self.runner.expert_counts)
+        graph.replay()  # every row padding: what padding adds to the expert counts
+        self.pad_counts[bs] = self._per_row(self.counts[bs], bs)
 
     @staticmethod
     def _per_row(counts: dict[int, torch.Tensor], bs: int) -> dict[int, torch.Tensor]:
@@ -147,16 +159,17 @@ class DecodeGraphs:
         (`can_replay` must hold); valid until the next call."""
         b = meta.num_seqs
         bs = next(n for n in self.batch_sizes if n >= b)
-        self._fill(ids, positions, meta.seq_lens, meta.slot_mapping, meta.block_table, bs)
-        if self.use_graphs:
-            self.graphs[bs].replay()
-            logits, counts = self.logits[bs], self.counts[bs]
-        else:
-            logits = self.runner.forward(*self._inputs(bs))
-            counts = dict(self.runner.expert_counts)
-        if counts:  # MoE: the step's counts without the padding's
-            pad = self.pad_counts[bs]
-            self.runner.expert_counts = {layer: c - (bs - b) * pad[layer] for layer, c in counts.items()}
+        with self._on_device():
+            self._fill(ids, positions, meta.seq_lens, meta.slot_mapping, meta.block_table, bs)
+            if self.use_graphs:
+                self.graphs[bs].replay()
+                logits, counts = self._out, self.counts[bs]
+            else:
+                logits = self.runner.forward(*self._inputs(bs))
+                counts = dict(self.runner.expert_counts)
+            if counts:  # MoE: the step's counts without the padding's
+                pad = self.pad_counts[bs]
+                self.runner.expert_counts = {layer: c - (bs - b) * pad[layer] for layer, c in counts.items()}
         self.replays += 1
         return logits[:b]
 
