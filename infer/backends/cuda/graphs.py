@@ -89,9 +89,10 @@ class DecodeGraphs:
         if b:
             h32[n:n + b * w].reshape(b, w)[:, :block_table.shape[1]] = block_table
         if self._dev64 is not self._host64:
-            # A contiguous prefix of each buffer holds the first `bs` rows of the table.
+            # The seq_lens and the real requests' table rows are a prefix of the int32 buffer
+            # (padding rows read no block, so their rows stay as they were).
             self._dev64.copy_(self._host64, non_blocking=True)
-            self._dev32[:n + bs * w].copy_(self._host32[:n + bs * w], non_blocking=True)
+            self._dev32[:n + b * w].copy_(self._host32[:n + b * w], non_blocking=True)
             self._copied.record()
 
     def _inputs(self, bs: int):
