@@ -14,7 +14,8 @@ line, not a crash, and makes the exit status 1):
                 `torch` backend on the same device: ms, GB/s and TFLOP/s with
                 their share of the measured peaks.
   4. attention  paged-attention decode at batch 64 x context 2048 (target:
-                >= 70% of copy bandwidth) and flash-decoding at batch 1.
+                >= 70% of copy bandwidth) and flash-decoding at batch 1,
+                each with a bf16 and an fp8 KV cache.
   5. e2e        a Llama-3-8B-shaped model with random bf16 weights (no hub):
                 prefill throughput, decode step eager and with CUDA graphs at
                 batch 1 (target: >= 80% of the weight-streaming roofline) and
@@ -23,7 +24,8 @@ line, not a crash, and makes the exit status 1):
                 Mixtral saved by transformers: a batch of greedy requests with
                 --enforce-eager, with the graphs' padded static buffers run
                 eagerly, and with the engine's CUDA graphs (the last two must
-                give equal tokens and expert counts); tokens/s of each.
+                give equal tokens and expert counts); the Llama also with an
+                fp8 KV cache, static buffers against graphs; tokens/s of each.
   7. tune       (only with --tune or --only tune) sweeps the launch parameters
                 of paged attention (decode, long decode, prefill) and of the
                 int4 linear (T=1 and a prefill-sized T); prints the best of each.
@@ -256,29 +258,39 @@ def section_primitives(out):
 # -- 4. attention decode targets ----------------------------------------------------------
 def section_attention(out):
     D = S.head_dim
-    for (b, c), label in ((S.decode, "decode"), (S.long_decode, "long decode")):
+    for (b, c), label, kv in ((S.decode, "decode", "bfloat16"), (S.long_decode, "long decode", "bfloat16"),
+                              (S.decode, "decode fp8", "fp8"), (S.long_decode, "long decode fp8", "fp8")):
         meta = _decode_meta(b, c)
-        cache = CUDA.allocate_kv_cache(b * (-(-c // S.block_size)), S.block_size, S.kv_heads, D, "bfloat16")
-        cache.normal_()
+        cache = CUDA.allocate_kv_cache(b * (-(-c // S.block_size)), S.block_size, S.kv_heads, D, kv)
+        if kv == "fp8":  # e4m3 codes of normal values, read with scales (k 0.5, v 2)
+            cache.copy_(torch.randn(cache.shape, device=cache.device).to(torch.float8_e4m3fn).view(torch.uint8))
+        else:
+            cache.normal_()
+        scales = (0.5, 2.0) if kv == "fp8" else None
         q = rnd(b, S.heads, D)
         m = CUDA.prepare_metadata(meta)
-        nbytes = 2 * b * c * S.kv_heads * D * 2 + 2 * q.numel() * 2
+        nbytes = 2 * b * c * S.kv_heads * D * cache.element_size() + 2 * q.numel() * 2
         # The interpreter never splits by itself (no SMs to fill): force it so the path runs.
         splits = 3 if SMOKE_MODE else default_num_splits(q.device, b, S.kv_heads, 1, c)
-        t_auto = timed(lambda: paged_attention(q, cache, m, D**-0.5, num_splits=splits))
-        t_one = timed(lambda: paged_attention(q, cache, m, D**-0.5, num_splits=1))
-        diff = (paged_attention(q, cache, m, D**-0.5, num_splits=splits).float()
-                - paged_attention(q, cache, m, D**-0.5, num_splits=1).float()).abs().max().item()
+
+        def run(n, scales=scales, cache=cache, q=q, m=m):
+            return paged_attention(q, cache, m, D**-0.5, kv_scales=scales, num_splits=n)
+
+        t_auto = timed(lambda: run(splits))
+        t_one = timed(lambda: run(1))
+        diff = (run(splits).float() - run(1).float()).abs().max().item()
         share = nbytes / t_auto / 1e9 / PEAK["copy_GBps"] if PEAK["copy_GBps"] else float("nan")
         print(f"  {label} B={b} ctx={c}: {splits} split(s) {rate(t_auto, nbytes)}; one pass {t_one * 1e3:.3f} ms; "
               f"max |diff| {diff:.1e}")
         out[label] = dict(batch=b, context=c, splits=splits, ms=t_auto * 1e3, ms_one_pass=t_one * 1e3,
                           share_of_copy=share, split_vs_one_pass_max_diff=diff)
-        if diff > 2e-2:
-            raise AssertionError(f"split-KV and one-pass attention differ by {diff}")
+        if diff > 2e-2 * (4 if kv == "fp8" else 1):  # fp8: v_scale 2 and values up to 448
+            raise AssertionError(f"split-KV and one-pass attention differ by {diff} ({label})")
     if not SMOKE_MODE:
         share = out["decode"]["share_of_copy"]
         print(f"  target: decode B=64 ctx=2048 >= 70% of copy bandwidth: {share:.0%} -> {'MET' if share >= 0.7 else 'MISSED'}")
+        ratio = out["decode fp8"]["ms"] / out["decode"]["ms"]
+        print(f"  fp8 KV: decode B=64 ctx=2048 in {ratio:.2f}x the time of bf16")
 
 
 # -- 5. end to end --------------------------------------------------------------------------
@@ -374,6 +386,12 @@ def _random_checkpoint(kind: str, path: str) -> int:
     return vocab
 
 
+def _agreement(want: list[list[int]], got: list[list[int]]) -> float:
+    """Share of `want`'s tokens that `got` matches up to each request's first difference (it changes the rest)."""
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(want, got)]
+    return sum(same) / sum(len(x) for x in want)
+
+
 def section_engine(out):
     """LLMEngine on the cuda backend, a random dense and a random MoE model saved by
     transformers (no hub), one batch of greedy requests, three ways: --enforce-eager;
@@ -396,14 +414,16 @@ def section_engine(out):
             prompts = [{"prompt_token_ids": rng.integers(3, vocab, int(n)).tolist()}
                        for n in rng.integers(8, 200 if not SMOKE_MODE else 20, batch)]
             params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-            for mode in ("eager", "static", "graphs"):
+            # The dense model also runs with an fp8 KV cache, static buffers against graphs.
+            for mode in ("eager", "static", "graphs", *(("fp8 static", "fp8 graphs") if kind == "llama" else ())):
                 llm = LLM(path, backend="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=batch,
-                          max_model_len=512, enforce_eager=mode != "graphs", show_progress=False,
-                          kv_cache_memory=2 << 30)
+                          max_model_len=512, enforce_eager=not mode.endswith("graphs"), show_progress=False,
+                          kv_cache_memory=2 << 30, kv_cache_dtype="fp8" if mode.startswith("fp8") else "auto")
                 engine = llm.engine
-                if mode == "graphs" and engine.decode_graphs is None and not SMOKE_MODE:
-                    raise AssertionError("the engine captured no decode graphs on the GPU")
-                if mode == "static" or engine.decode_graphs is None and mode == "graphs":  # smoke: no CUDA graph
+                graphs_mode = mode.endswith("graphs")
+                if graphs_mode and engine.decode_graphs is None and not SMOKE_MODE:
+                    raise AssertionError(f"the engine captured no decode graphs on the GPU ({mode})")
+                if mode.endswith("static") or engine.decode_graphs is None and graphs_mode:  # smoke: no CUDA graph
                     engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len,
                                                         engine.cache_config.block_size, graph_batch_sizes(batch),
                                                         use_graphs=False)
@@ -429,16 +449,19 @@ def section_engine(out):
                 gc.collect()  # the engine's reference cycles hold its KV pool until collected
                 if DEV.startswith("cuda"):
                     torch.cuda.empty_cache()
-        # Agreement with eager counted up to each request's first difference (it changes the rest).
-        same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                for x, y in zip(got["eager"], got["graphs"])]
-        res["eager_agreement"] = sum(same) / sum(len(x) for x in got["eager"])
+        res["eager_agreement"] = _agreement(got["eager"], got["graphs"])
         print(f"  {kind}: graphs x{res['graphs']['tokens_per_s'] / res['eager']['tokens_per_s']:.2f} the speed of "
               f"eager; greedy tokens equal to eager's before the first difference: {res['eager_agreement']:.1%}")
-        if got["graphs"] != got["static"]:
-            bad = sum(a != b for a, b in zip(got["graphs"], got["static"]))
-            raise AssertionError(f"{kind}: {bad} of {batch} requests differ between CUDA-graph replays and the "
-                                 "same padded steps run eagerly")
+        if "fp8 graphs" in got:
+            res["fp8_agreement"] = _agreement(got["graphs"], got["fp8 graphs"])
+            print(f"  {kind}: fp8 KV graphs x{res['fp8 graphs']['tokens_per_s'] / res['graphs']['tokens_per_s']:.2f} "
+                  f"the speed of bf16 KV graphs; greedy tokens equal before the first difference: "
+                  f"{res['fp8_agreement']:.1%}")
+        for prefix in ("", "fp8 ")[: 2 if "fp8 graphs" in got else 1]:
+            if got[prefix + "graphs"] != got[prefix + "static"]:
+                bad = sum(a != b for a, b in zip(got[prefix + "graphs"], got[prefix + "static"]))
+                raise AssertionError(f"{kind}: {bad} of {batch} requests differ between CUDA-graph replays and the "
+                                     f"same padded steps run eagerly ({prefix or 'bf16 '}KV cache)")
         if load and not np.array_equal(load["graphs"], load["static"]):
             raise AssertionError(f"{kind}: expert counts differ between replays and eager padded steps")
 

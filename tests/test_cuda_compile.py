@@ -69,7 +69,7 @@ def _launch_every_variant():
     """One launch per kernel variant that differs in what the compiler sees:
     dtype where it changes the tiles (fp32 doubles shared memory), each
     attention shape class (GQA 4 d128, GQA 7 d80 padded, MQA 32 d64), decode
-    and prefill tiles, window/soft-cap, flash-decoding splits."""
+    and prefill tiles, window/soft-cap, flash-decoding splits, fp8 caches."""
     import torch
 
     from infer.backends.cuda import activation, attention, kv_write, moe, norm, quant_linear, rotary
@@ -87,13 +87,16 @@ def _launch_every_variant():
         (bf16, (32, 8, 128), mixed, {"sliding_window": 8, "soft_cap": 5.0}), (bf16, (28, 4, 80), mixed, {}),
         (bf16, (32, 1, 64), decode, {}), (bf16, (32, 1, 64), mixed, {}), (torch.float16, (32, 8, 128), mixed, {}),
         (torch.float32, (32, 8, 128), mixed, {}), (torch.float32, (32, 8, 128), decode, {"num_splits": 8}),
+        # fp8 (uint8) caches: decoded in registers to the query's dtype
+        (bf16, (32, 8, 128), decode, {"kv_scales": (0.5, 2.0)}), (bf16, (32, 8, 128), mixed, {"kv_scales": (1.0, 1.0)}),
+        (torch.float16, (32, 8, 128), decode, {"kv_scales": (1.0, 1.0), "num_splits": 8}),
     ]
     for dtype, (hq, hk, d), m, kw in cases:
-        cache = torch.zeros(2, 8, 16, hk, d, dtype=dtype)
+        cache = torch.zeros(2, 8, 16, hk, d, dtype=torch.uint8 if "kv_scales" in kw else dtype)
         attention.paged_attention(torch.zeros(m.num_tokens, hq, d, dtype=dtype), cache, m, 0.1, **kw)
-    cache = torch.zeros(2, 8, 16, 8, 128, dtype=bf16)
-    kv_write.kv_write(torch.zeros(3, 8, 128, dtype=bf16), torch.zeros(3, 8, 128, dtype=bf16), cache,
-                      torch.zeros(3, dtype=torch.int64))
+    for cache_dtype, scales in ((bf16, None), (torch.uint8, (0.5, 2.0))):
+        kv_write.kv_write(torch.zeros(3, 8, 128, dtype=bf16), torch.zeros(3, 8, 128, dtype=bf16),
+                          torch.zeros(2, 8, 16, 8, 128, dtype=cache_dtype), torch.zeros(3, dtype=torch.int64), scales)
     x = torch.zeros(4, 4096, dtype=bf16)
     norm.rms_norm(x, torch.zeros(4096, dtype=bf16), 1e-5)
     norm.rms_norm(x, torch.zeros(4096, dtype=bf16), 1e-5, x.clone())

@@ -59,15 +59,15 @@ def test_cuda_conforms_to_cpu_ref_in_the_interpreter(group):
     assert {r[1] for r in results} == set(GROUPS[group])
     bad = [r for r in results if r[2] != "pass"]
     assert not bad, "\n".join(f"{cid}: {status}: {detail}" for cid, _, status, _, detail in bad)
-    # The kernels, not the torch fallback, must be what passed (fp8 KV caches
-    # are declined through `kv_cache_dtypes`, so torch serves those cases).
+    # The kernels, not the torch fallback, must be what passed (fp8 KV caches included).
     # Dense linear is torch's (cuBLAS) by declaration: only quantized weights must reach the kernel.
     dense_linear = lambda cid: cid.startswith("linear-") and not any(q in cid for q in ("int4", "int8", "fp8"))  # noqa: E731
-    fp8_cache = lambda r: r[1] in ("kv_write", "attention") and "fp8_" in r[0]  # noqa: E731
-    wrong = {r[0]: r[3] for r in results if r[1] in NATIVE and r[3] != "cuda" and not fp8_cache(r)
-             and not dense_linear(r[0])}
+    wrong = {r[0]: r[3] for r in results if r[1] in NATIVE and r[3] != "cuda" and not dense_linear(r[0])}
     if "linear" in GROUPS[group]:  # the quantized cases exist (and, by `wrong` above, the kernel served them all)
         assert sum(r[1] == "linear" and not dense_linear(r[0]) for r in results) >= 40
+    for prim in ("kv_write", "attention"):  # fp8 caches exist (and were the kernels')
+        if prim in GROUPS[group]:
+            assert sum(r[1] == prim and "fp8_" in r[0] for r in results) >= 2
     assert not wrong, f"served by another backend: {wrong}"
 
 
@@ -77,6 +77,10 @@ def test_backend_is_available_in_interpreter_mode_with_a_note():
 
 def test_quantized_linear_decodes_every_fp8_code_and_int4_nibble():
     _check("check_fp8_every_code_and_int4_nibble_order")
+
+
+def test_fp8_kv_cache_stores_the_contracts_codes_and_reads_every_code_exactly():
+    _check("check_fp8_cache_codes_and_values")
 
 
 def test_split_kv_decoding_matches_one_pass_and_the_reference():
@@ -99,8 +103,9 @@ def test_gpu_check_script_runs_every_section_on_toy_shapes():
     # Conformance is skipped: the parametrized test above runs all of it.
     out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance", "--tune"])
     assert "gpu_check passed" in out
-    for line in ("[primitives]", "[attention]", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3", "[engine]",
-                 "llama graphs:", "mixtral graphs:", "[tune]", "int4 linear g32 T=40", "best: {"):
+    for line in ("[primitives]", "[attention]", "decode fp8 B=3", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3",
+                 "[engine]", "llama graphs:", "llama fp8 graphs:", "mixtral graphs:", "[tune]", "int4 linear g32 T=40",
+                 "best: {"):
         assert line in out, out
 
 
@@ -125,14 +130,16 @@ def _attention_case(reqs, dtype="float32", **kw):
 def _run_attention(backend, x, dtype, num_splits):
     from infer.backends.cuda.attention import paged_attention
 
-    cache = backend.allocate_kv_cache(*x["cache_shape"], dtype)
+    scales = x.get("kv_scales")
+    cache = backend.allocate_kv_cache(*x["cache_shape"], "fp8" if scales else dtype)
     if len(x["cached_slots"]):
         backend.kv_write(backend.asarray(x["cached_k"], dtype), backend.asarray(x["cached_v"], dtype), cache,
-                         backend.asarray(x["cached_slots"]))
+                         backend.asarray(x["cached_slots"]), scales)
     meta = backend.prepare_metadata(x["meta"])
-    backend.kv_write(backend.asarray(x["new_k"], dtype), backend.asarray(x["new_v"], dtype), cache, meta.slot_mapping)
+    backend.kv_write(backend.asarray(x["new_k"], dtype), backend.asarray(x["new_v"], dtype), cache, meta.slot_mapping,
+                     scales)
     out = paged_attention(backend.asarray(x["q"], dtype), cache, meta, x["scale"], x["sliding_window"], x["soft_cap"],
-                          num_splits=num_splits)
+                          scales, num_splits=num_splits)
     return backend.to_numpy(out)
 
 
@@ -140,10 +147,11 @@ def _reference_attention(x):
     from infer.backends.cpu_ref import CpuRefBackend
 
     ref = CpuRefBackend()
-    cache = ref.allocate_kv_cache(*x["cache_shape"], "float32")
-    ref.kv_write(x["cached_k"], x["cached_v"], cache, x["cached_slots"])
-    ref.kv_write(x["new_k"], x["new_v"], cache, x["meta"].slot_mapping)
-    return ref.attention(x["q"], cache, x["meta"], x["scale"], x["sliding_window"], x["soft_cap"])
+    scales = x.get("kv_scales")
+    cache = ref.allocate_kv_cache(*x["cache_shape"], "fp8" if scales else "float32")
+    ref.kv_write(x["cached_k"], x["cached_v"], cache, x["cached_slots"], scales)
+    ref.kv_write(x["new_k"], x["new_v"], cache, x["meta"].slot_mapping, scales)
+    return ref.attention(x["q"], cache, x["meta"], x["scale"], x["sliding_window"], x["soft_cap"], scales)
 
 
 def check_availability():
@@ -191,6 +199,43 @@ def check_fp8_every_code_and_int4_nibble_order():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def check_fp8_cache_codes_and_values():
+    """kv_write's e4m3 codes equal the contract's (`e4m3_encode`) for every finite float16
+    value, each tie between neighbouring codes and its two neighbours, subnormals, and
+    values past +-448; attention reads every finite code back as its exact value."""
+    import torch
+
+    from infer.backends.cuda import CudaBackend
+    from infer.backends.cuda.attention import paged_attention
+    from infer.primitives.fp8 import e4m3_decode, e4m3_encode
+    from infer.primitives.types import AttentionMetadata
+
+    backend = CudaBackend()
+    values = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    pos = e4m3_decode(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)
+    ties = (pos[1:] + pos[:-1]) / 2
+    extra = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf), [449, 464, 465, 1e30, np.inf]])
+    x = np.concatenate([values[np.isfinite(values)], extra, -extra]).astype(np.float32)
+    x = np.concatenate([x, np.zeros(-len(x) % 128, np.float32)]).reshape(-1, 1, 128)
+    scales = (1.0, 0.5)
+    cache = backend.allocate_kv_cache(len(x) // 16 + 1, 16, 1, 128, "fp8")
+    backend.kv_write(torch.from_numpy(x), torch.from_numpy(x), cache, torch.arange(len(x)), scales)
+    codes = cache.view(2, -1, 128)[:, : len(x)].numpy()
+    np.testing.assert_array_equal(codes[0], e4m3_encode(x[:, 0]))
+    np.testing.assert_array_equal(codes[1], e4m3_encode(x[:, 0] / 0.5))
+    # One key, so each output row is that key's V row: every finite code, times v_scale.
+    finite = np.array([c if c & 0x7F != 0x7F else 0 for c in range(256)], np.uint8).reshape(2, 128)
+    cache = backend.allocate_kv_cache(1, 16, 2, 128, "fp8")
+    cache[1, 0, 0] = torch.from_numpy(finite)
+    meta = backend.prepare_metadata(AttentionMetadata(np.array([0, 1], np.int32), np.array([1], np.int32),
+                                                      np.zeros((1, 1), np.int32), np.array([-1]), 1, 1, 16))
+    for dtype in (torch.float32, torch.float16):
+        out = paged_attention(torch.randn(1, 4, 128).to(dtype), cache, meta, 0.1, kv_scales=(3.0, 2.0))
+        want = np.repeat(e4m3_decode(finite) * 2.0, 2, axis=0)  # query heads 0,1 read KV head 0; 2,3 head 1
+        np.testing.assert_array_equal(out[0].float().numpy(), want.astype(np.float16 if dtype == torch.float16
+                                                                          else np.float32))
+
+
 def check_split_kv():
     from infer.backends.cuda import CudaBackend
 
@@ -198,7 +243,8 @@ def check_split_kv():
     # Long decode contexts, one of them empty of history, plus a window and GQA 4.
     for kw in (dict(reqs=[(1, 150), (1, 70), (1, 1)], hq=8, d=64),
                dict(reqs=[(1, 150), (1, 97)], hq=8, d=64, sliding_window=40),
-               dict(reqs=[(3, 140), (1, 66)], hq=4, hk=1, d=128, soft_cap=4.0)):
+               dict(reqs=[(3, 140), (1, 66)], hq=4, hk=1, d=128, soft_cap=4.0),
+               dict(reqs=[(1, 150), (2, 70)], hq=8, d=64, kv_scales=(0.5, 2.0))):  # fp8 partials carry v_scale
         for dtype, tol in (("float32", 1e-5), ("float16", 2e-3))[: 2 if "sliding_window" in kw else 1]:
             x = _attention_case(dtype=dtype, **kw)
             want = _reference_attention(x)
@@ -244,14 +290,33 @@ def check_padding_requests():
         assert not out[len(x["q"]):].any()
 
 
+def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto"):
+    """Greedy tokens of backend `name` ('cuda_padded': cuda through the decode graphs'
+    static buffers, batches padded to 1, 2 or 4, run eagerly as a graph would replay them)."""
+    from infer.backends.cuda.graphs import DecodeGraphs
+    from infer.core.llm import LLM
+
+    # A small token budget so prompts are chunked and prefill mixes with decode.
+    llm = LLM(path, backend=name.removesuffix("_padded"), skip_tokenizer_init=True, max_num_seqs=4,
+              max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    assert engine.ops.provider("attention", kv_cache_dtype=kv_cache_dtype).name == name.removesuffix("_padded")
+    assert engine.decode_graphs is None  # interpreter mode captures nothing
+    if name == "cuda_padded":
+        engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
+                                            (1, 2, 4), use_graphs=False)
+        engine.decode_graphs.capture()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert name != "cuda_padded" or engine.decode_graphs.replays > 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def check_tiny_llama_greedy():
     import tempfile
 
     import torch
     from tiny_models import make_model
 
-    from infer.backends.cuda.graphs import DecodeGraphs
-    from infer.core.llm import LLM
     from infer.core.sampling_params import SamplingParams
 
     model, _, _ = make_model("llama3")  # GQA 3:1, head_dim 64, llama3 rope
@@ -261,26 +326,14 @@ def check_tiny_llama_greedy():
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path)
-        got = {}
-        for name in ("cuda", "torch", "cuda_padded"):
-            # A small token budget so prompts are chunked and prefill mixes with decode.
-            llm = LLM(path, backend=name.removesuffix("_padded"), skip_tokenizer_init=True, max_num_seqs=4,
-                      max_num_batched_tokens=16)
-            engine = llm.engine
-            assert engine.ops.provider("attention").name == name.removesuffix("_padded")
-            assert engine.decode_graphs is None  # interpreter mode captures nothing
-            if name == "cuda_padded":
-                # What a CUDA graph would replay (static buffers, batches padded to 1, 2 or 4), run eagerly.
-                engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
-                                                    (1, 2, 4), use_graphs=False)
-                engine.decode_graphs.capture()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            got[name] = [o.outputs[0].token_ids for o in outs]
-        assert engine.decode_graphs.replays > 0
+        got = {name: _greedy_tokens(path, name, prompts, params) for name in ("cuda", "torch", "cuda_padded")}
+        # An fp8 cache: the cuda kernels (eager and padded) against torch's fp8 path.
+        fp8 = {name: _greedy_tokens(path, name, prompts, params, "fp8") for name in ("cuda", "torch", "cuda_padded")}
     with torch.no_grad():
         want = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert got["cuda"] == got["torch"] == got["cuda_padded"] == want, got
+    assert fp8["cuda"] == fp8["torch"] == fp8["cuda_padded"], fp8
 
 
 # Ops after which the host needs a device value (a sync on a GPU, an error inside a
@@ -322,8 +375,11 @@ def check_decode_forward_has_no_host_sync():
             return func(*args, **(kwargs or {}))
 
     backend = get_backend("cuda")
-    for build, (_, config, weights) in ((build_llama, make_model("llama3")), (build_moe, make_moe_model("mixtral"))):
-        runner = ModelRunner(lower(build(config)), backend, Ops(backend), weights, "float32", 256)
+    for build, (_, config, weights), kv in ((build_llama, make_model("llama3"), "auto"),
+                                            (build_llama, make_model("llama3"), "fp8"),
+                                            (build_moe, make_moe_model("mixtral"), "auto")):
+        runner = ModelRunner(lower(build(config)), backend, Ops(backend), weights, "float32", 256, kv_cache_dtype=kv)
+        assert runner.ops.provider("attention", dtype="float32", kv_cache_dtype=kv).name == "cuda"
         runner.allocate_kv_caches(num_blocks=8, block_size=16)
         graphs = DecodeGraphs(runner, 256, 16, (1, 2, 4), use_graphs=False)
         graphs.capture()  # the first forward validates its arguments: not what a graph holds

@@ -4,6 +4,7 @@ give transformers' own logits and greedy tokens on every in-tree CPU backend."""
 
 from __future__ import annotations
 
+import inspect
 import shutil
 
 import numpy as np
@@ -62,11 +63,13 @@ def _greedy_and_routing(model, prompt: list[int], n: int) -> tuple[list[int], di
             routed[i] = routed.get(i, 0) + np.bincount(out[2].flatten().numpy(), minlength=num)
 
         hooks.append(gate.register_forward_hook(hook))
+    # transformers renamed `past_key_values` to `cache` (argument and output) within 5.x.
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     tokens, cache, step = [], None, torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):  # runs the prompt, then each new token but the last
-            out = model(step, cache=cache, use_cache=True)
-            cache = out.cache
+            out = model(step, use_cache=True, **{cache_name: cache})
+            cache = getattr(out, cache_name)
             tokens.append(int(out.logits[0, -1].argmax()))
             step = torch.tensor([[tokens[-1]]])
     for h in hooks:

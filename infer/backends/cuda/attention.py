@@ -18,6 +18,11 @@ Flash-decoding: with ``num_splits > 1`` each (tile, head) also splits its key
 range into that many even parts; the parts write partial (output, max,
 sum) triples that `_combine_splits_kernel` merges. That keeps the GPU busy when
 batch * kv_heads is small and contexts are long.
+
+An fp8 cache (uint8 e4m3fn codes) is read at one byte per element and decoded
+in registers (`fp8.e4m3_to_f16_scaled`, exact) to the query's dtype; the
+scales never touch the tiles: k_scale joins the softmax scale and v_scale
+multiplies the finished rows.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...primitives.types import AttentionMetadata
+from .fp8 import F16_RESCALE, e4m3_to_f16_scaled
 from .launch import compute_f32, dot_precision, next_pow2
 
 # Key positions per inner-loop step.
@@ -47,13 +53,14 @@ def _tanh(x):
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, soft_cap, window, num_seqs,
+    scale, v_mul, soft_cap, window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, F32: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -112,9 +119,12 @@ def _paged_attention_kernel(
         # KV block size is a constexpr: a power of two turns these into shifts and masks.
         blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         kv_off = blk * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        if F32:
+        k = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0)
+        if FP8:  # codes to value * 2^-8 (the 2^8 is in scale and v_mul), in q's dtype: exact
+            k = e4m3_to_f16_scaled(k).to(q.dtype)
+            v = e4m3_to_f16_scaled(v).to(q.dtype)
+        elif F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * scale
@@ -134,6 +144,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * v_mul
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -203,8 +215,10 @@ def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int) -> d
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
+                    kv_scales: tuple[float, float] | None = None,
                     num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
     """[T, Hq, D] attention of every query row; rows of no request stay zero.
+    `kv_scales` (k_scale, v_scale) only for an fp8 (uint8) cache, where None means 1.0.
     `config` overrides `launch_config` (for tuning)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = int(meta.seq_lens.shape[0])
@@ -213,6 +227,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    fp8 = kv_cache.dtype == torch.uint8
+    if kv_scales is not None and not fp8:
+        raise ValueError("attention: kv_scales are for an fp8 cache; this cache is in the model dtype")
+    k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
+    if fp8:
+        scale, v_mul = scale * k_scale * F16_RESCALE, v_scale * F16_RESCALE
+    else:
+        v_mul = 1.0
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -233,13 +255,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     _paged_attention_kernel[grid](
         out, part_out, part_ml, q, k_cache, v_cache,
         meta.block_table, meta.seq_lens, meta.query_start_loc,
-        float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
+        float(scale), float(v_mul), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0), *pstrides,
         BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=block_d, TILE=cfg["tile_n"], NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        F32=compute_f32(q.dtype), PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        F32=compute_f32(q.dtype), FP8=fp8, PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:

@@ -15,7 +15,6 @@ must not run before TRITON_INTERPRET has been read.
 from __future__ import annotations
 
 import importlib.util
-import logging
 from typing import Any
 
 from ...primitives.types import QUANTIZED_KINDS, Support
@@ -31,6 +30,7 @@ class CudaBackend(TorchPlumbing):
     description = "NVIDIA GPUs through Triton kernels (torch for what it does not override)"
     dist_backend = "nccl"
     preferred_block_size = 16
+    kv_cache_dtypes = ("auto", "fp8")
     dtypes = ("float32", "float16", "bfloat16")
     weight_kinds = QUANTIZED_KINDS
     fallback = "torch"
@@ -62,10 +62,6 @@ class CudaBackend(TorchPlumbing):
         """CUDA graphs of the decode step on a GPU (`graphs.DecodeGraphs`); None in interpreter mode."""
         if interpreting() or not str(self.device).startswith("cuda"):
             return None
-        if runner.kv_cache_dtype == "fp8":
-            # Served by torch's attention, which plans each step on the host: nothing a graph can hold.
-            logging.getLogger("infer").info("cuda: no decode graphs with an fp8 KV cache (torch serves its attention)")
-            return None
         from .graphs import DecodeGraphs
 
         graphs = DecodeGraphs(runner, max_model_len, block_size, batch_sizes)
@@ -94,17 +90,14 @@ class CudaBackend(TorchPlumbing):
         return linear(x, weight)
 
     def kv_write(self, k, v, kv_cache, slot_mapping, scales=None):
-        if scales is not None:
-            raise NotImplementedError("kv_write: backend 'cuda' has no quantized KV cache yet; allocate the cache in "
-                                      "the model dtype and pass scales=None")
         from .kv_write import kv_write
 
-        kv_write(k, v, kv_cache, slot_mapping)
+        kv_write(k, v, kv_cache, slot_mapping, scales)
 
-    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None):
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None):
         from .attention import paged_attention
 
-        return paged_attention(q, kv_cache, meta, scale, sliding_window, soft_cap)
+        return paged_attention(q, kv_cache, meta, scale, sliding_window, soft_cap, kv_scales)
 
     def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
         from .moe import moe
