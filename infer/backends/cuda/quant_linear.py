@@ -8,8 +8,9 @@ never exists in memory, so the weight is read at its stored width.
 * int4 group (`Int4GroupWeight`: GGUF Q4_0/Q4_1, AWQ, GPTQ): byte ``k // 2`` of
   a row holds k's nibble (low for even k), ``w = q * scale + offset``.
 * int8 group (`Int8GroupWeight`: Q8_0): ``w = q * scale``.
-* fp8 (`Fp8Weight`): e4m3fn codes decoded with integer ops (sign, exponent,
-  mantissa; subnormals ``m * 2^-9``), times one scale per row or per tensor.
+* fp8 (`Fp8Weight`): e4m3fn codes decoded with integer ops (`fp8.py`: three
+  per code, no exp2, which at one byte per weight would bind a decode GEMV to
+  the special-function units before HBM), times one scale per row or per tensor.
 
 With fp16/bf16 activations the dequantized tile is rounded to their dtype and
 the product runs on the tensor cores with a float32 accumulator (as vLLM's
@@ -27,20 +28,10 @@ import triton
 import triton.language as tl
 
 from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from .fp8 import e4m3_to_f16_scaled
 from .launch import compute_f32
 
 KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
-
-
-@triton.jit
-def _e4m3_to_f32(code):
-    """float32 value of e4m3fn codes (uint8 widened to int32); 0x7f/0xff (NaN) never occur in weights."""
-    sign = tl.where((code & 128) != 0, -1.0, 1.0)
-    e = (code >> 3) & 15
-    m = (code & 7).to(tl.float32)
-    normal = (1.0 + m * 0.125) * tl.exp2((e - 7).to(tl.float32))
-    sub = m * 0.001953125  # m * 2^-9
-    return sign * tl.where(e == 0, sub, normal)
 
 
 @triton.jit
@@ -70,12 +61,13 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, st
             scale = tl.load(s_ptr + ns[:, None] * stride_sn + (ks // GROUP)[None, :], mask=wmask, other=0.0)
             w = q * scale
         else:
-            code = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0).to(tl.int32)
+            code = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0)
             if PER_TENSOR:
                 scale = tl.load(s_ptr)
             else:
                 scale = tl.load(s_ptr + ns, mask=n_ok, other=0.0)[:, None]
-            w = _e4m3_to_f32(code) * scale
+            # value * 2^-8, exact, then the scale with the 2^8 folded in: one rounding, as value * scale.
+            w = e4m3_to_f16_scaled(code).to(tl.float32) * (scale * 256.0)
         if F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
