@@ -84,6 +84,9 @@ def parse_args():
                    help="also sweep the attention and int4-linear launch parameters (a few minutes on a GPU)")
     p.add_argument("--only", action="append", default=[], help="run only this section (repeatable)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--write-config", default=None, metavar="DIR",
+                   help="with the tune section: write its best tiles as DIR/<device>.json, the file the cuda "
+                        "kernels look up (copy it to infer/backends/cuda/configs/)")
     return p.parse_args()
 
 
@@ -506,6 +509,7 @@ def section_tune(out):
     D = S.head_dim
     gp = next_pow2(S.heads // S.kv_heads)
     trim = (lambda c: c[:2]) if SMOKE_MODE else (lambda c: c)
+    dev = torch.device(DEV)
 
     def grid(rows, tiles, warps, stages):
         return trim([dict(rows=r, tile_n=t, num_warps=w, num_stages=st)
@@ -520,8 +524,12 @@ def section_tune(out):
         cache.normal_()
         q = rnd(b * q_len, S.heads, D)
         m = CUDA.prepare_metadata(meta)
-        default = launch_config(DT, meta.max_query_len, gp)
-        configs = [cfg for cfg in grid(rows, (32, 64, 128), (4, 8), (2, 3)) if cfg != default]
+        # What the kernel uses now (a tuned file's, if the device has one) against the built-in guess and the grid.
+        split = default_num_splits(dev, b, S.kv_heads, meta.max_query_len, meta.max_seq_len) > 1
+        default = launch_config(DT, meta.max_query_len, gp, split, dev)
+        guess = launch_config(DT, meta.max_query_len, gp)
+        configs = [cfg for cfg in [guess, *grid(rows, (32, 64, 128), (4, 8), (2, 3))] if cfg != default]
+        configs = [cfg for i, cfg in enumerate(configs) if cfg not in configs[:i]]
         out[label] = _sweep(f"{label} {b}x{c}", lambda cfg: paged_attention(q, cache, m, D**-0.5, config=cfg),
                             default, configs)
     H, I = S.hidden, S.inter
@@ -531,12 +539,42 @@ def section_tune(out):
     for t, space in ((1, itertools.product((16,), (16, 32, 64, 128), (64, 128, 256), (2, 4))),
                      (2048 if not SMOKE_MODE else 40, itertools.product((64, 128), (64, 128), (32, 64), (4, 8)))):
         x = rnd(t, I)
-        default = quant_linear.tiles(t, DT)
-        configs = trim([cfg for cfg in space if cfg != default])
+        default = quant_linear.tiles(t, DT, dev)
+        configs = trim([cfg for cfg in dict.fromkeys([quant_linear.tiles(t, DT), *space]) if cfg != default])
         out[f"int4 linear T={t}"] = _sweep(f"int4 linear g32 T={t} N={H} K={I}",
                                            lambda cfg: quant_linear.linear(x, w, cfg), default, configs)
     best = {k: v["best"] for k, v in out.items()}
     print("  best: " + json.dumps(best, default=str))
+    if ARGS.write_config:
+        _write_config(out, ARGS.write_config)
+
+
+# tune-section label -> (kernel, kind) of the tuned-config file (`infer/backends/cuda/tuned.py`)
+_CONFIG_KEYS = {"attention decode": ("attention", "decode"), "attention long decode": ("attention", "decode_split"),
+                "attention prefill": ("attention", "prefill"), "int4 linear T=1": ("quant_linear", "decode")}
+
+
+def _write_config(tune_out: dict, folder: str) -> None:
+    from infer.backends.cuda import tuned
+
+    name = tuned.device_name(DEV)
+    data: dict = {"attention": {}, "quant_linear": {}, "measured": {
+        "device": name, "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "date": time.strftime("%Y-%m-%d"), "mode": RESULTS["mode"], "ms": {}}}
+    for label, res in tune_out.items():
+        kernel, kind = _CONFIG_KEYS.get(label) or (("quant_linear", "prefill") if label.startswith("int4 linear")
+                                                   else (None, None))
+        if kernel is None:
+            continue
+        data[kernel][kind] = list(res["best"]) if kernel == "quant_linear" else dict(res["best"])
+        data["measured"]["ms"][f"{kernel}.{kind}"] = dict(default=res["default_ms"], best=res["best_ms"])
+    tuned.validate(data, "(about to be written)")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, tuned.file_name(name))
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"  tuned config written: {path}")
 
 
 SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "primitives": section_primitives,

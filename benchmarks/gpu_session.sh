@@ -7,7 +7,8 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 # Then run this script there with `.whl` carried along; results land in $OUT
-# (or ./gpu-results): gpu_check.log/.json, and with --tune tune.log/.json.
+# (or ./gpu-results): gpu_check.log/.json, and with --tune tune.log/.json and the
+# device's tuned-config file (e.g. NVIDIA_H200.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
@@ -23,6 +24,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
 rc=${PIPESTATUS[0]}
 if [[ "${1:-}" == "--tune" ]]; then
-    python3 benchmarks/gpu_check.py --only tune --json "$out/tune.json" 2>&1 | tee "$out/tune.log"
+    # Also writes $out/<device>.json, the tuned-config file the kernels look up: copy it to
+    # infer/backends/cuda/configs/ and commit it.
+    python3 benchmarks/gpu_check.py --only tune --json "$out/tune.json" --write-config "$out" 2>&1 | tee "$out/tune.log"
 fi
 exit "$rc"

@@ -83,6 +83,10 @@ def test_fp8_kv_cache_stores_the_contracts_codes_and_reads_every_code_exactly():
     _check("check_fp8_cache_codes_and_values")
 
 
+def test_a_tuned_config_file_sets_the_tiles_and_a_bad_one_is_refused():
+    _check("check_tuned_config_file")
+
+
 def test_split_kv_decoding_matches_one_pass_and_the_reference():
     _check("check_split_kv")
 
@@ -99,10 +103,18 @@ def test_decode_forward_never_waits_for_the_device_so_a_cuda_graph_can_hold_it()
     _check("check_decode_forward_has_no_host_sync")
 
 
-def test_gpu_check_script_runs_every_section_on_toy_shapes():
+def test_gpu_check_script_runs_every_section_on_toy_shapes(tmp_path):
+    from infer.backends.cuda import tuned  # imports no kernel module
+
     # Conformance is skipped: the parametrized test above runs all of it.
-    out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance", "--tune"])
+    out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "conformance", "--tune",
+                        "--write-config", str(tmp_path)])
     assert "gpu_check passed" in out
+    # The tune section's best tiles, as the file the kernels would look up on that device ("cpu" here).
+    written = json.loads((tmp_path / "cpu.json").read_text())
+    tuned.validate(written, "gpu_check's file")
+    assert set(written["attention"]) == {"decode", "decode_split", "prefill"}
+    assert set(written["quant_linear"]) == {"decode", "prefill"}
     for line in ("[primitives]", "[attention]", "decode fp8 B=3", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3",
                  "[engine]", "llama graphs:", "llama fp8 graphs:", "mixtral graphs:", "[tune]", "int4 linear g32 T=40",
                  "best: {"):
@@ -234,6 +246,89 @@ def check_fp8_cache_codes_and_values():
         want = np.repeat(e4m3_decode(finite) * 2.0, 2, axis=0)  # query heads 0,1 read KV head 0; 2,3 head 1
         np.testing.assert_array_equal(out[0].float().numpy(), want.astype(np.float16 if dtype == torch.float16
                                                                           else np.float32))
+
+
+def check_tuned_config_file():
+    """A device's tuned-config file (here named by INFER_CUDA_CONFIG) sets the tiles the
+    kernels launch with for fp16/bf16, results unchanged; float32 keeps the built-in
+    tiles; a malformed file is refused with its path and what is wrong."""
+    import json
+    import tempfile
+
+    import pytest
+    import torch
+
+    from infer.backends.cuda import CudaBackend, attention, quant_linear, tuned
+    from infer.primitives.types import Int4GroupWeight
+
+    cpu = torch.device("cpu")
+    builtin = {q: attention.launch_config(torch.float16, q, 4) for q in (1, 5)}
+    cfg = {"attention": {"decode": {"rows": 32, "tile_n": 32, "num_warps": 2, "num_stages": 2},
+                         "prefill": {"rows": 16, "tile_n": 128, "num_warps": 8, "num_stages": 1}},
+           "quant_linear": {"decode": [16, 64, 64, 2], "prefill": [32, 16, 32, 8]}, "measured": {"note": "test"}}
+    launches = []
+
+    class Spy:  # records each launch's constexprs and options, then launches
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(kw)
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    attention._paged_attention_kernel = Spy(attention._paged_attention_kernel)
+    quant_linear._quant_linear_kernel = Spy(quant_linear._quant_linear_kernel)
+    backend = CudaBackend()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "tuned.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        os.environ[tuned.ENV] = path
+        tuned.load.cache_clear()
+        assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu) == cfg["attention"]["decode"]
+        assert attention.launch_config(torch.bfloat16, 1, 4, True, cpu) == builtin[1]  # no decode_split entry
+        assert attention.launch_config(torch.float32, 7, 4, False, cpu) == attention.launch_config(torch.float32, 7, 4)
+        assert quant_linear.tiles(40, torch.float16, cpu) == (32, 16, 32, 8)
+        assert quant_linear.tiles(1, torch.float32, cpu) == quant_linear.tiles(1, torch.float32)
+        for reqs, kind in (([(1, 40), (1, 7)], "decode"), ([(5, 30), (1, 9)], "prefill")):
+            x = _attention_case(reqs=reqs, dtype="float16", hq=8, d=64)
+            launches.clear()
+            got = _run_attention(backend, x, "float16", 1)
+            np.testing.assert_allclose(got, _reference_attention(x), atol=2e-3, rtol=2e-3)
+            want = cfg["attention"][kind]
+            assert [(k["TILE"], k["num_warps"], k["num_stages"]) for k in launches] == \
+                [(want["tile_n"], want["num_warps"], want["num_stages"])], launches
+            assert launches[0]["BLOCK_Q"] == max(1, want["rows"] // 4)  # hq 8 / hk 2: GROUP_PAD 4
+        w = Int4GroupWeight(torch.randint(0, 256, (48, 32), dtype=torch.uint8), torch.rand(48, 2) * 0.1,
+                            torch.randn(48, 2) * 0.1, 32)
+        for t, tile in ((3, cfg["quant_linear"]["decode"]), (20, cfg["quant_linear"]["prefill"])):
+            x = torch.randn(t, 64).half()
+            launches.clear()
+            got = quant_linear.linear(x, w)
+            want = x.float() @ (((w.qweight.view(48, 32, 1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 15)
+                                .reshape(48, 64).float() * w.scales.repeat_interleave(32, 1)
+                                + w.offsets.repeat_interleave(32, 1)).t()
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+            assert [(k["BLOCK_T"], k["BLOCK_N"], k["BLOCK_K"], k["num_warps"]) for k in launches] == [tuple(tile)]
+        # Refused: an unknown kind, a tile under 16, not JSON, no such file.
+        for bad, words in (({"attention": {"decoded": cfg["attention"]["decode"]}}, "attention.decoded: unknown"),
+                           ({"quant_linear": {"decode": [8, 64, 64, 4]}}, "tiles >= 16"),
+                           ("{not json", "not JSON")):
+            with open(path, "w") as f:
+                f.write(bad if isinstance(bad, str) else json.dumps(bad))
+            tuned.load.cache_clear()
+            with pytest.raises(tuned.TunedConfigError, match=words) as err:
+                attention.launch_config(torch.float16, 1, 4, False, cpu)
+            assert path in str(err.value)
+        os.environ[tuned.ENV] = os.path.join(d, "missing.json")
+        tuned.load.cache_clear()
+        with pytest.raises(tuned.TunedConfigError, match="no such file"):
+            quant_linear.tiles(1, torch.float16, cpu)
+    del os.environ[tuned.ENV]
+    tuned.load.cache_clear()
+    assert attention.launch_config(torch.float16, 5, 4, False, cpu) == builtin[5]  # no file for "cpu"
 
 
 def check_split_kv():

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...primitives.types import AttentionMetadata
+from . import tuned
 from .fp8 import F16_RESCALE, e4m3_to_f16_scaled
 from .launch import compute_f32, dot_precision, next_pow2
 
@@ -198,9 +199,15 @@ def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
     return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, 32))
 
 
-def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int) -> dict:
+def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int, split: bool = False,
+                  device: torch.device | None = None) -> dict:
     """Tile rows (query tokens x query heads of a program), keys per step, warps and
-    pipeline stages. Untuned guesses: `benchmarks/gpu_check.py --tune` sweeps them on a GPU."""
+    pipeline stages: for fp16/bf16, the device's tuned file where it has one (`tuned.py`,
+    written by `benchmarks/gpu_check.py --tune`), else these guesses."""
+    if device is not None and q_dtype in (torch.float16, torch.bfloat16):
+        tuned_cfg = tuned.attention("prefill" if max_query_len > 1 else "decode_split" if split else "decode", device)
+        if tuned_cfg:
+            return tuned_cfg
     # tl.dot wants >= 16 rows; a decode step has one query per request, so its
     # tiles are filled with query heads rather than with tokens it lacks.
     if q_dtype == torch.float32:
@@ -239,10 +246,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
-    cfg = config or launch_config(q.dtype, meta.max_query_len, group_pad)
-    block_q = max(1, cfg["rows"] // group_pad)
     if num_splits is None:
         num_splits = default_num_splits(q.device, num_seqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
+    cfg = config or launch_config(q.dtype, meta.max_query_len, group_pad, num_splits > 1, q.device)
+    block_q = max(1, cfg["rows"] // group_pad)
     block_d = max(16, next_pow2(head_dim))
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:

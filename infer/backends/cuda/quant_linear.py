@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from . import tuned
 from .fp8 import e4m3_to_f16_scaled
 from .launch import compute_f32
 
@@ -78,14 +79,19 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, st
              mask=t_ok[:, None] & n_ok[None, :])
 
 
-def tiles(t: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def tiles(t: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, BLOCK_K, num_warps) for T rows of x.
 
-    Few rows (decode) stream the weight: long K tiles keep more bytes in
-    flight per program. Many rows with 16-bit x are a tensor-core GEMM; float32
-    x runs on the FMA units and keeps small tiles. Untuned guesses:
-    `benchmarks/gpu_check.py` sweeps the alternatives on a GPU.
+    For fp16/bf16 x, the device's tuned file where it has one (`tuned.py`,
+    written by `benchmarks/gpu_check.py --tune`). Otherwise guesses: few rows
+    (decode) stream the weight, and long K tiles keep more bytes in flight per
+    program; many rows with 16-bit x are a tensor-core GEMM; float32 x runs on
+    the FMA units and keeps small tiles.
     """
+    if device is not None and dtype in (torch.float16, torch.bfloat16):
+        tile = tuned.quant_linear("decode" if t <= 16 else "prefill", device)
+        if tile:
+            return tile
     if t <= 16:
         return 16, 32, 128, 4
     if compute_f32(dtype):
@@ -111,7 +117,7 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
     group = w.group_size if isinstance(w, (Int4GroupWeight, Int8GroupWeight)) else 1
     per_tensor = isinstance(w, Fp8Weight) and scales.numel() == 1
     bias = w.bias if w.bias is not None else scales  # unread without HAS_BIAS
-    block_t, block_n, block_k, warps = config or tiles(t, x.dtype)
+    block_t, block_n, block_k, warps = config or tiles(t, x.dtype, x.device)
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
         x, q, scales, offsets, bias, out, t, n, k, x.stride(0), q.stride(0),
