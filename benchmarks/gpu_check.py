@@ -188,6 +188,26 @@ def section_conformance(out):
     out.update(passed=report.count("pass"), failed=report.count("fail"), errors=report.count("error"))
     if not report.ok:
         raise AssertionError("conformance failed on the device")
+    # fp8 KV codes of every bf16 value under scales that are not powers of two, where an
+    # approximate division moves values across ties between codes: the contract's codes exactly.
+    from infer.primitives.fp8 import e4m3_encode
+
+    x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 8, 128)
+    # Every bf16 value that divides without overflow (those past 448 saturate).
+    x = torch.where(x.float().abs() < 1e30, x, 0.0).to(DEV)
+    cache = CUDA.allocate_kv_cache(x.shape[0] // 16, 16, 8, 128, "fp8")
+    wrong = 0
+    for k_scale, v_scale in ((0.9, 1.0 / 3.0), (0.37, 2.5)):
+        CUDA.kv_write(x, x, cache, torch.arange(x.shape[0], device=DEV), (k_scale, v_scale))
+        xf = x.float().cpu().numpy()
+        for i, s in ((0, k_scale), (1, v_scale)):
+            got = cache[i].reshape(x.shape).cpu().numpy()
+            wrong += int((got != e4m3_encode(xf / np.float32(s))).sum())
+    print(f"  fp8 KV codes of all {x.numel():,} bf16 values, scales 0.9, 1/3, 0.37, 2.5: {wrong} differ from "
+          "the contract")
+    out["fp8_code_mismatches"] = wrong
+    if wrong:
+        raise AssertionError(f"kv_write wrote {wrong} fp8 codes that differ from the contract's")
 
 
 # -- 3. primitives ------------------------------------------------------------------------

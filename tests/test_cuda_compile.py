@@ -91,9 +91,24 @@ def _launch_every_variant():
         (bf16, (32, 8, 128), decode, {"kv_scales": (0.5, 2.0)}), (bf16, (32, 8, 128), mixed, {"kv_scales": (1.0, 1.0)}),
         (torch.float16, (32, 8, 128), decode, {"kv_scales": (1.0, 1.0), "num_splits": 8}),
     ]
-    for dtype, (hq, hk, d), m, kw in cases:
-        cache = torch.zeros(2, 8, 16, hk, d, dtype=torch.uint8 if "kv_scales" in kw else dtype)
-        attention.paged_attention(torch.zeros(m.num_tokens, hq, d, dtype=dtype), cache, m, 0.1, **kw)
+    # quantized linear: each weight kind, bias or not, decode and prefill tiles, bf16 and fp32
+    n, k = 256, 512
+    weights = [Int4GroupWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 32), torch.zeros(n, k // 32), 32),
+               Int8GroupWeight(torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // 32), 32, bias=torch.zeros(n)),
+               Fp8Weight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n)),
+               Fp8Weight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(1))]
+    for native in (False, True):  # fp8 decoded with integer ops (A100) or the hardware conversion (sm_89+)
+        attention.native_fp8 = quant_linear.native_fp8 = lambda device, native=native: native
+        for dtype, (hq, hk, d), m, kw in cases:
+            if native and "kv_scales" not in kw:
+                continue
+            cache = torch.zeros(2, 8, 16, hk, d, dtype=torch.uint8 if "kv_scales" in kw else dtype)
+            attention.paged_attention(torch.zeros(m.num_tokens, hq, d, dtype=dtype), cache, m, 0.1, **kw)
+        for w in weights:
+            if native and not isinstance(w, Fp8Weight):
+                continue
+            for dtype, t in ((bf16, 1), (bf16, 64), (torch.float32, 64)):
+                quant_linear.linear(torch.zeros(t, k, dtype=dtype), w)
     for cache_dtype, scales in ((bf16, None), (torch.uint8, (0.5, 2.0))):
         kv_write.kv_write(torch.zeros(3, 8, 128, dtype=bf16), torch.zeros(3, 8, 128, dtype=bf16),
                           torch.zeros(2, 8, 16, 8, 128, dtype=cache_dtype), torch.zeros(3, dtype=torch.int64), scales)
@@ -105,15 +120,6 @@ def _launch_every_variant():
                       torch.zeros(2, dtype=torch.int64), torch.zeros(64, 128), neox)
     for kind in activation.KINDS:
         activation.act_and_mul(torch.zeros(2, 2 * 14336, dtype=bf16), kind)
-    # quantized linear: each weight kind, bias or not, decode and prefill tiles, bf16 and fp32
-    n, k = 256, 512
-    weights = [Int4GroupWeight(torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 32), torch.zeros(n, k // 32), 32),
-               Int8GroupWeight(torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // 32), 32, bias=torch.zeros(n)),
-               Fp8Weight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n)),
-               Fp8Weight(torch.zeros(n, k, dtype=torch.uint8), torch.zeros(1))]
-    for w in weights:
-        for dtype, t in ((bf16, 1), (bf16, 64), (torch.float32, 64)):
-            quant_linear.linear(torch.zeros(t, k, dtype=dtype), w)
     # moe's steps one by one: with launches recorded, not run, the gating
     # kernel's output is garbage that the alignment must not see.
     moe.route(torch.zeros(64, 8, dtype=bf16), 2, True)
@@ -133,8 +139,9 @@ def compile_all():
     specs = _record_launches()
     _launch_every_variant()
     for (name, _), (fn, c) in specs.items():
-        # Only the kernels that stage tiles in shared memory need the A100 check too.
-        archs = (90, 80) if name in ("_paged_attention_kernel", "_grouped_gemm_kernel") else (90,)
+        # Hopper and the A100, except variants that decode fp8 with the conversion sm_89+ has.
+        constants = {fn.arg_names[k[0]]: v for k, v in c["constants"].items()}
+        archs = (90,) if constants.get("FP8_NATIVE") else (90, 80)
         for arch in archs:
             limit = SHARED_LIMIT[arch]
             src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])

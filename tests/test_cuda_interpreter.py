@@ -196,13 +196,17 @@ def check_fp8_every_code_and_int4_nibble_order():
     from infer.backends.cuda.quant_linear import linear
     from infer.primitives.types import Fp8Weight, Int4GroupWeight
 
+    from infer.backends.cuda import quant_linear
+
     codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)  # 254 finite codes
     q = codes.repeat(2)[:256].view(2, 128)
     eye = torch.eye(128)
-    for scales in (torch.tensor([0.5, 2.0]), torch.tensor([3.0])):
-        got = linear(eye, Fp8Weight(q, scales)).t()
-        want = q.view(torch.float8_e4m3fn).float() * scales.view(-1, 1)
-        assert torch.equal(got, want), (got - want).abs().max()
+    for native in (True, False):  # the hardware conversion (sm_89+) and the integer decode (A100)
+        quant_linear.native_fp8 = lambda device, native=native: native
+        for scales in (torch.tensor([0.5, 2.0]), torch.tensor([3.0]), torch.tensor([0.37, 1.9])):
+            got = linear(eye, Fp8Weight(q, scales)).t()
+            want = q.view(torch.float8_e4m3fn).float() * scales.view(-1, 1)
+            assert torch.equal(got, want), (native, (got - want).abs().max())
     nib = torch.arange(64 * 32, dtype=torch.int64).view(32, 64) % 16
     packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
     scales, offsets = torch.rand(32, 2) + 0.5, torch.randn(32, 2)
@@ -213,8 +217,9 @@ def check_fp8_every_code_and_int4_nibble_order():
 
 def check_fp8_cache_codes_and_values():
     """kv_write's e4m3 codes equal the contract's (`e4m3_encode`) for every finite float16
-    value, each tie between neighbouring codes and its two neighbours, subnormals, and
-    values past +-448; attention reads every finite code back as its exact value."""
+    value, each tie between neighbouring codes and its two neighbours, subnormals, values
+    past +-448 and NaN, with scale 1 and 0.9 (a division that must be correctly rounded);
+    attention reads every finite code back as its exact value, through both decodes."""
     import torch
 
     from infer.backends.cuda import CudaBackend
@@ -229,23 +234,28 @@ def check_fp8_cache_codes_and_values():
     extra = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, np.inf), [449, 464, 465, 1e30, np.inf]])
     x = np.concatenate([values[np.isfinite(values)], extra, -extra]).astype(np.float32)
     x = np.concatenate([x, np.zeros(-len(x) % 128, np.float32)]).reshape(-1, 1, 128)
-    scales = (1.0, 0.5)
+    x[-1, 0, :2] = [0.02197265625, np.nan]  # / 0.9, correctly rounded, is a tie: the contract's code is 0x0C
     cache = backend.allocate_kv_cache(len(x) // 16 + 1, 16, 1, 128, "fp8")
-    backend.kv_write(torch.from_numpy(x), torch.from_numpy(x), cache, torch.arange(len(x)), scales)
+    backend.kv_write(torch.from_numpy(x), torch.from_numpy(x), cache, torch.arange(len(x)), (1.0, 0.9))
     codes = cache.view(2, -1, 128)[:, : len(x)].numpy()
     np.testing.assert_array_equal(codes[0], e4m3_encode(x[:, 0]))
-    np.testing.assert_array_equal(codes[1], e4m3_encode(x[:, 0] / 0.5))
+    np.testing.assert_array_equal(codes[1], e4m3_encode(x[:, 0] / np.float32(0.9)))
+    assert codes[1, -1, 0] == 0x0C and codes[0, -1, 1] == 0x7F
     # One key, so each output row is that key's V row: every finite code, times v_scale.
     finite = np.array([c if c & 0x7F != 0x7F else 0 for c in range(256)], np.uint8).reshape(2, 128)
     cache = backend.allocate_kv_cache(1, 16, 2, 128, "fp8")
     cache[1, 0, 0] = torch.from_numpy(finite)
     meta = backend.prepare_metadata(AttentionMetadata(np.array([0, 1], np.int32), np.array([1], np.int32),
                                                       np.zeros((1, 1), np.int32), np.array([-1]), 1, 1, 16))
-    for dtype in (torch.float32, torch.float16):
-        out = paged_attention(torch.randn(1, 4, 128).to(dtype), cache, meta, 0.1, kv_scales=(3.0, 2.0))
-        want = np.repeat(e4m3_decode(finite) * 2.0, 2, axis=0)  # query heads 0,1 read KV head 0; 2,3 head 1
-        np.testing.assert_array_equal(out[0].float().numpy(), want.astype(np.float16 if dtype == torch.float16
-                                                                          else np.float32))
+    from infer.backends.cuda import attention
+
+    for native in (True, False):  # the hardware conversion (sm_89+) and the integer decode (A100)
+        attention.native_fp8 = lambda device, native=native: native
+        for dtype in (torch.float32, torch.float16):
+            out = paged_attention(torch.randn(1, 4, 128).to(dtype), cache, meta, 0.1, kv_scales=(3.0, 2.0))
+            want = np.repeat(e4m3_decode(finite) * 2.0, 2, axis=0)  # query heads 0,1 read KV head 0; 2,3 head 1
+            np.testing.assert_array_equal(out[0].float().numpy(),
+                                          want.astype(np.float16 if dtype == torch.float16 else np.float32))
 
 
 def check_tuned_config_file():

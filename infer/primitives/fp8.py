@@ -36,7 +36,7 @@ def e4m3_decode(codes: np.ndarray) -> np.ndarray:
 
 
 def e4m3_encode(x: np.ndarray) -> np.ndarray:
-    """uint8 e4m3fn codes of `x`: nearest value (ties to the even code), saturated at +-448."""
+    """uint8 e4m3fn codes of `x`: nearest value (ties to the even code), saturated at +-448; NaN to a NaN code."""
     x = np.asarray(x, dtype=np.float64)
     mag = np.minimum(np.abs(x), E4M3_MAX)
     hi = np.clip(np.searchsorted(_POSITIVE, mag), 1, len(_POSITIVE) - 1)
@@ -44,6 +44,7 @@ def e4m3_encode(x: np.ndarray) -> np.ndarray:
     d_lo, d_hi = mag - _POSITIVE[lo], _POSITIVE[hi] - mag
     pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
     code = np.where(pick_hi, hi, lo).astype(np.uint8)
+    code = np.where(np.isnan(x), 0x7F, code).astype(np.uint8)  # NaN stays NaN (torch's cast agrees)
     return np.where(np.signbit(x), code | 0x80, code).astype(np.uint8)
 
 

@@ -20,9 +20,9 @@ sum) triples that `_combine_splits_kernel` merges. That keeps the GPU busy when
 batch * kv_heads is small and contexts are long.
 
 An fp8 cache (uint8 e4m3fn codes) is read at one byte per element and decoded
-in registers (`fp8.e4m3_to_f16_scaled`, exact) to the query's dtype; the
-scales never touch the tiles: k_scale joins the softmax scale and v_scale
-multiplies the finished rows.
+in registers (`fp8.e4m3_to_f16`, exact) to the query's dtype; the scales
+never touch the tiles: k_scale joins the softmax scale and v_scale multiplies
+the finished rows.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ...primitives.types import AttentionMetadata
 from . import tuned
-from .fp8 import F16_RESCALE, e4m3_to_f16_scaled
+from .fp8 import e4m3_to_f16, fp8_rescale, native_fp8
 from .launch import compute_f32, dot_precision, next_pow2
 
 # Key positions per inner-loop step.
@@ -61,7 +61,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
-    PRECISION: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -122,9 +122,9 @@ def _paged_attention_kernel(
         kv_off = blk * stride_kb + (kpos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         k = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0)
         v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0)
-        if FP8:  # codes to value * 2^-8 (the 2^8 is in scale and v_mul), in q's dtype: exact
-            k = e4m3_to_f16_scaled(k).to(q.dtype)
-            v = e4m3_to_f16_scaled(v).to(q.dtype)
+        if FP8:  # codes to values (times 2^-8 without FP8_NATIVE: scale and v_mul hold the 2^8), exact
+            k = e4m3_to_f16(k, FP8_NATIVE).to(q.dtype)
+            v = e4m3_to_f16(v, FP8_NATIVE).to(q.dtype)
         elif F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -234,14 +234,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    fp8 = kv_cache.dtype == torch.uint8
-    if kv_scales is not None and not fp8:
+    fp8_cache = kv_cache.dtype == torch.uint8
+    if kv_scales is not None and not fp8_cache:
         raise ValueError("attention: kv_scales are for an fp8 cache; this cache is in the model dtype")
     k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
-    if fp8:
-        scale, v_mul = scale * k_scale * F16_RESCALE, v_scale * F16_RESCALE
-    else:
-        v_mul = 1.0
+    native = fp8_cache and native_fp8(q.device)
+    v_mul = 1.0
+    if fp8_cache:
+        scale, v_mul = scale * k_scale * fp8_rescale(native), v_scale * fp8_rescale(native)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -268,8 +268,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_D=block_d, TILE=cfg["tile_n"], NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        F32=compute_f32(q.dtype), FP8=fp8, PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        F32=compute_f32(q.dtype), FP8=fp8_cache, FP8_NATIVE=native, PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

@@ -1,31 +1,61 @@
-"""e4m3fn codes in Triton, with integer and float32 ops only.
+"""e4m3fn codes in Triton: encoding for `kv_write`, decoding for `attention` and `linear`.
 
-Triton's own ``tl.float8e4nv`` needs sm_89 or newer (not the A100) and, in the
-interpreter, rounds differently from torch. These helpers give the contract's
-codes (`infer.primitives.fp8`: nearest, ties to even, saturated at +-448) on
-every target and in the interpreter alike.
+Encoding uses integer and float32 ops only: Triton's own cast to
+``tl.float8e4nv`` needs sm_89 or newer (not the A100) and, in the interpreter,
+rounds differently from torch. `e4m3_encode` gives the contract's codes
+(`infer.primitives.fp8`: nearest, ties to even, saturated at +-448) on every
+target and in the interpreter alike.
 
-Decoding places a code's exponent and mantissa bits into a float16's fields:
-the float16 then holds the code's value times 2^-8 (the two formats' exponent
-biases differ by 8), subnormal codes included, exactly. Callers fold the 2^8
-into the scale they multiply by anyway, so a decode is three integer ops.
+Decoding has two forms, both exact for every finite code (`native_fp8` picks):
+
+* native (sm_89+: Ada, Hopper; and the interpreter): the GPU's own conversion,
+  two codes per instruction, the value itself;
+* bits (the A100 and older): the code's exponent and mantissa bits placed in a
+  float16's fields, which is the value times 2^-8 (the two formats' exponent
+  biases differ by 8), subnormal codes included, in three integer ops. NaN
+  codes read as 480 here.
+
+Either way the result is a float16, and callers fold `fp8_rescale(native)` into
+a scale they multiply by anyway. Per-element integer work matters: at one byte
+per value a decode step streams codes as fast as HBM delivers them, and a few
+ALU ops per code are already about that budget.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
-# `e4m3_to_f16_scaled(code) * F16_RESCALE` is the code's value.
-F16_RESCALE = 256.0
+from .launch import interpreting
+
+
+@functools.lru_cache(maxsize=None)
+def native_fp8(device: torch.device) -> bool:
+    """Whether kernels on `device` decode e4m3 with the hardware conversion. The
+    interpreter's conversion is exact for every finite code, so it runs that path."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_rescale(native: bool) -> float:
+    """What `e4m3_to_f16(code, native)` is multiplied by to give the code's value."""
+    return 1.0 if native else 256.0
 
 
 @triton.jit
-def e4m3_to_f16_scaled(code):
-    """float16 of (uint8 e4m3fn codes) * 2^-8, exact; NaN codes decode as 1.875."""
-    c = code.to(tl.uint16)
-    bits = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
-    return bits.to(tl.float16, bitcast=True)
+def e4m3_to_f16(code, NATIVE: tl.constexpr):
+    """float16 of uint8 e4m3fn codes: the value (NATIVE) or the value * 2^-8 (bits), exact."""
+    if NATIVE:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        c = code.to(tl.uint16)
+        bits = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+        return bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ returns before touching memory, so padding never lands in block 0 or the
 last slot.
 
 An fp8 cache (uint8) receives the e4m3fn codes of ``k / k_scale`` and
-``v / v_scale``, divided in float32 and rounded as the contract says
-(`fp8.e4m3_encode`).
+``v / v_scale``, divided in float32 (correctly rounded) and rounded as the
+contract says (`fp8.e4m3_encode`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, 
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     if FP8:
-        k = e4m3_encode(k.to(tl.float32) / k_scale)
-        v = e4m3_encode(v.to(tl.float32) / v_scale)
+        # div_rn: `/` compiles to an approximate reciprocal, which moves values across code ties.
+        k = e4m3_encode(tl.div_rn(k.to(tl.float32), k_scale))
+        v = e4m3_encode(tl.div_rn(v.to(tl.float32), v_scale))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -8,12 +8,13 @@ never exists in memory, so the weight is read at its stored width.
 * int4 group (`Int4GroupWeight`: GGUF Q4_0/Q4_1, AWQ, GPTQ): byte ``k // 2`` of
   a row holds k's nibble (low for even k), ``w = q * scale + offset``.
 * int8 group (`Int8GroupWeight`: Q8_0): ``w = q * scale``.
-* fp8 (`Fp8Weight`): e4m3fn codes decoded with integer ops (`fp8.py`: three
-  per code, no exp2, which at one byte per weight would bind a decode GEMV to
-  the special-function units before HBM), times one scale per row or per tensor.
+* fp8 (`Fp8Weight`): e4m3fn codes decoded exactly (`fp8.py`: the hardware
+  conversion on sm_89+, three integer ops per code before), the tile fed to
+  `tl.dot` unscaled; the one scale per row or per tensor multiplies the
+  finished products.
 
-With fp16/bf16 activations the dequantized tile is rounded to their dtype and
-the product runs on the tensor cores with a float32 accumulator (as vLLM's
+With fp16/bf16 activations the dequantized tile is rounded to their dtype (an
+fp8 tile, unscaled, is exact in either) and the product runs on the tensor cores with a float32 accumulator (as vLLM's
 AWQ/GPTQ kernels do): a float32 `tl.dot` runs on the FMA units, an order of
 magnitude slower for prefill-sized T. float32 activations (and bf16 under the
 interpreter, whose bf16 arithmetic is wrong) meet the tile in float32, exact
@@ -29,7 +30,7 @@ import triton.language as tl
 
 from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 from . import tuned
-from .fp8 import e4m3_to_f16_scaled
+from .fp8 import e4m3_to_f16, fp8_rescale, native_fp8
 from .launch import compute_f32
 
 KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
@@ -39,7 +40,8 @@ KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
 def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_qn, stride_sn,
                          stride_out, KIND: tl.constexpr, GROUP: tl.constexpr, PER_TENSOR: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, F32: tl.constexpr):
+                         BLOCK_K: tl.constexpr, F32: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                         FP8_RESCALE: tl.constexpr):
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     ts = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     ns = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -62,17 +64,18 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, st
             scale = tl.load(s_ptr + ns[:, None] * stride_sn + (ks // GROUP)[None, :], mask=wmask, other=0.0)
             w = q * scale
         else:
-            code = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0)
-            if PER_TENSOR:
-                scale = tl.load(s_ptr)
-            else:
-                scale = tl.load(s_ptr + ns, mask=n_ok, other=0.0)[:, None]
-            # value * 2^-8, exact, then the scale with the 2^8 folded in: one rounding, as value * scale.
-            w = e4m3_to_f16_scaled(code).to(tl.float32) * (scale * 256.0)
+            # The code's value (times 2^-8 without FP8_NATIVE), exact in any dtype: the
+            # per-row scale multiplies the finished dot products below.
+            w = e4m3_to_f16(tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0), FP8_NATIVE)
         if F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if KIND == 2:
+        if PER_TENSOR:
+            acc *= tl.load(s_ptr) * FP8_RESCALE
+        else:
+            acc *= (tl.load(s_ptr + ns, mask=n_ok, other=0.0) * FP8_RESCALE)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + ts[:, None] * stride_out + ns[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -116,6 +119,7 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
     offsets = w.offsets if isinstance(w, Int4GroupWeight) else scales  # unread unless int4
     group = w.group_size if isinstance(w, (Int4GroupWeight, Int8GroupWeight)) else 1
     per_tensor = isinstance(w, Fp8Weight) and scales.numel() == 1
+    native = isinstance(w, Fp8Weight) and native_fp8(x.device)
     bias = w.bias if w.bias is not None else scales  # unread without HAS_BIAS
     block_t, block_n, block_k, warps = config or tiles(t, x.dtype, x.device)
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
@@ -123,5 +127,6 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
         x, q, scales, offsets, bias, out, t, n, k, x.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() > 1 or not per_tensor else 0, out.stride(0),
         KIND=KINDS[w.kind], GROUP=group, PER_TENSOR=per_tensor, HAS_BIAS=w.bias is not None,
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, F32=compute_f32(x.dtype), num_warps=warps)
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, F32=compute_f32(x.dtype),
+        FP8_NATIVE=native, FP8_RESCALE=fp8_rescale(native), num_warps=warps)
     return out
