@@ -87,7 +87,10 @@ def parse_args():
     p.add_argument("--write-config", default=None, metavar="DIR",
                    help="with the tune section: write its best tiles as DIR/<device>.json, the file the cuda "
                         "kernels look up (copy it to infer/backends/cuda/configs/)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.write_config and not (args.tune or "tune" in args.only):
+        p.error("--write-config writes the tune section's results: add --tune (or --only tune)")
+    return args
 
 
 ARGS = parse_args()
@@ -546,7 +549,7 @@ def section_tune(out):
         m = CUDA.prepare_metadata(meta)
         # What the kernel uses now (a tuned file's, if the device has one) against the built-in guess and the grid.
         split = default_num_splits(dev, b, S.kv_heads, meta.max_query_len, meta.max_seq_len) > 1
-        default = launch_config(DT, meta.max_query_len, gp, split, dev)
+        default = launch_config(DT, meta.max_query_len, gp, split, dev, D)
         guess = launch_config(DT, meta.max_query_len, gp)
         configs = [cfg for cfg in [guess, *grid(rows, (32, 64, 128), (4, 8), (2, 3))] if cfg != default]
         configs = [cfg for i, cfg in enumerate(configs) if cfg not in configs[:i]]
@@ -578,7 +581,7 @@ def _write_config(tune_out: dict, folder: str) -> None:
     from infer.backends.cuda import tuned
 
     name = tuned.device_name(DEV)
-    data: dict = {"attention": {}, "quant_linear": {}, "measured": {
+    data: dict = {"attention": {"head_dim": S.head_dim}, "quant_linear": {}, "measured": {
         "device": name, "torch": torch.__version__, "triton": __import__("triton").__version__,
         "date": time.strftime("%Y-%m-%d"), "mode": RESULTS["mode"], "ms": {}}}
     for label, res in tune_out.items():

@@ -113,7 +113,7 @@ def test_gpu_check_script_runs_every_section_on_toy_shapes(tmp_path):
     # The tune section's best tiles, as the file the kernels would look up on that device ("cpu" here).
     written = json.loads((tmp_path / "cpu.json").read_text())
     tuned.validate(written, "gpu_check's file")
-    assert set(written["attention"]) == {"decode", "decode_split", "prefill"}
+    assert set(written["attention"]) == {"head_dim", "decode", "decode_split", "prefill"}
     assert set(written["quant_linear"]) == {"decode", "prefill"}
     for line in ("[primitives]", "[attention]", "decode fp8 B=3", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3",
                  "[engine]", "llama graphs:", "llama fp8 graphs:", "mixtral graphs:", "[tune]", "int4 linear g32 T=40",
@@ -273,7 +273,7 @@ def check_tuned_config_file():
 
     cpu = torch.device("cpu")
     builtin = {q: attention.launch_config(torch.float16, q, 4) for q in (1, 5)}
-    cfg = {"attention": {"decode": {"rows": 32, "tile_n": 32, "num_warps": 2, "num_stages": 2},
+    cfg = {"attention": {"head_dim": 64, "decode": {"rows": 32, "tile_n": 32, "num_warps": 2, "num_stages": 2},
                          "prefill": {"rows": 16, "tile_n": 128, "num_warps": 8, "num_stages": 1}},
            "quant_linear": {"decode": [16, 64, 64, 2], "prefill": [32, 16, 32, 8]}, "measured": {"note": "test"}}
     launches = []
@@ -296,10 +296,11 @@ def check_tuned_config_file():
         with open(path, "w") as f:
             json.dump(cfg, f)
         os.environ[tuned.ENV] = path
-        tuned.load.cache_clear()
-        assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu) == cfg["attention"]["decode"]
-        assert attention.launch_config(torch.bfloat16, 1, 4, True, cpu) == builtin[1]  # no decode_split entry
-        assert attention.launch_config(torch.float32, 7, 4, False, cpu) == attention.launch_config(torch.float32, 7, 4)
+        assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu, 64) == cfg["attention"]["decode"]
+        assert attention.launch_config(torch.bfloat16, 1, 4, True, cpu, 64) == builtin[1]  # no decode_split entry
+        assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu, 128) == builtin[1]  # measured at 64 only
+        assert attention.launch_config(torch.float32, 7, 4, False, cpu, 64) == \
+            attention.launch_config(torch.float32, 7, 4)
         assert quant_linear.tiles(40, torch.float16, cpu) == (32, 16, 32, 8)
         assert quant_linear.tiles(1, torch.float32, cpu) == quant_linear.tiles(1, torch.float32)
         for reqs, kind in (([(1, 40), (1, 7)], "decode"), ([(5, 30), (1, 9)], "prefill")):
@@ -322,35 +323,42 @@ def check_tuned_config_file():
                                 + w.offsets.repeat_interleave(32, 1)).t()
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
             assert [(k["BLOCK_T"], k["BLOCK_N"], k["BLOCK_K"], k["num_warps"]) for k in launches] == [tuple(tile)]
-        # Refused: an unknown kind, a tile under 16, not JSON, no such file.
-        for bad, words in (({"attention": {"decoded": cfg["attention"]["decode"]}}, "attention.decoded: unknown"),
-                           ({"quant_linear": {"decode": [8, 64, 64, 4]}}, "tiles >= 16"),
-                           ("{not json", "not JSON")):
-            with open(path, "w") as f:
+        # Refused: an unknown kind, no head_dim, a tile under 16, too many warps, not an object, not JSON.
+        decode = cfg["attention"]["decode"]
+        for i, (bad, words) in enumerate((
+                ({"attention": {"head_dim": 64, "decoded": decode}}, "attention.decoded: unknown"),
+                ({"attention": {"decode": decode}}, "attention.head_dim"),
+                ({"quant_linear": {"decode": [8, 64, 64, 4]}}, "16..512"),
+                ({"attention": {"head_dim": 64, "decode": {**decode, "num_warps": 64}}}, "up to 32"),
+                ({"attention": []}, "must be an object"), ("{not json", "not JSON"))):
+            bad_path = os.path.join(d, f"bad{i}.json")  # each file is parsed once, by path
+            with open(bad_path, "w") as f:
                 f.write(bad if isinstance(bad, str) else json.dumps(bad))
-            tuned.load.cache_clear()
+            os.environ[tuned.ENV] = bad_path
             with pytest.raises(tuned.TunedConfigError, match=words) as err:
-                attention.launch_config(torch.float16, 1, 4, False, cpu)
-            assert path in str(err.value)
-        os.environ[tuned.ENV] = os.path.join(d, "missing.json")
-        tuned.load.cache_clear()
-        with pytest.raises(tuned.TunedConfigError, match="no such file"):
-            quant_linear.tiles(1, torch.float16, cpu)
-    del os.environ[tuned.ENV]
-    tuned.load.cache_clear()
-    assert attention.launch_config(torch.float16, 5, 4, False, cpu) == builtin[5]  # no file for "cpu"
+                attention.launch_config(torch.float16, 1, 4, False, cpu, 64)
+            assert bad_path in str(err.value)
+        for missing in (os.path.join(d, "missing.json"), d):  # no file; a folder
+            os.environ[tuned.ENV] = missing
+            with pytest.raises(tuned.TunedConfigError, match="no such file"):
+                quant_linear.tiles(1, torch.float16, cpu)
+    del os.environ[tuned.ENV]  # read at each lookup: back to the built-in tiles at once
+    assert attention.launch_config(torch.float16, 5, 4, False, cpu, 64) == builtin[5]  # no file for "cpu"
 
 
 def check_split_kv():
-    from infer.backends.cuda import CudaBackend
+    from infer.backends.cuda import CudaBackend, attention
 
     backend = CudaBackend()
-    # Long decode contexts, one of them empty of history, plus a window and GQA 4.
-    for kw in (dict(reqs=[(1, 150), (1, 70), (1, 1)], hq=8, d=64),
-               dict(reqs=[(1, 150), (1, 97)], hq=8, d=64, sliding_window=40),
-               dict(reqs=[(3, 140), (1, 66)], hq=4, hk=1, d=128, soft_cap=4.0),
-               dict(reqs=[(1, 150), (2, 70)], hq=8, d=64, kv_scales=(0.5, 2.0))):  # fp8 partials carry v_scale
-        for dtype, tol in (("float32", 1e-5), ("float16", 2e-3))[: 2 if "sliding_window" in kw else 1]:
+    # Long decode contexts, one of them empty of history, plus a window and GQA 4; fp8 caches
+    # (partials carry v_scale) through the hardware conversion and through the A100's integer decode.
+    fp8 = dict(reqs=[(1, 150), (2, 70)], hq=8, d=64, kv_scales=(0.37, 1.9))
+    for kw, native in ((dict(reqs=[(1, 150), (1, 70), (1, 1)], hq=8, d=64), True),
+                       (dict(reqs=[(1, 150), (1, 97)], hq=8, d=64, sliding_window=40), True),
+                       (dict(reqs=[(3, 140), (1, 66)], hq=4, hk=1, d=128, soft_cap=4.0), True),
+                       (fp8, True), (fp8, False)):
+        attention.native_fp8 = lambda device, native=native: native
+        for dtype, tol in (("float32", 1e-5), ("float16", 2e-3))[: 1 if "soft_cap" in kw else 2]:
             x = _attention_case(dtype=dtype, **kw)
             want = _reference_attention(x)
             one = _run_attention(backend, x, dtype, 1)

@@ -200,12 +200,13 @@ def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, m
 
 
 def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int, split: bool = False,
-                  device: torch.device | None = None) -> dict:
+                  device: torch.device | None = None, head_dim: int | None = None) -> dict:
     """Tile rows (query tokens x query heads of a program), keys per step, warps and
-    pipeline stages: for fp16/bf16, the device's tuned file where it has one (`tuned.py`,
-    written by `benchmarks/gpu_check.py --tune`), else these guesses."""
-    if device is not None and q_dtype in (torch.float16, torch.bfloat16):
-        tuned_cfg = tuned.attention("prefill" if max_query_len > 1 else "decode_split" if split else "decode", device)
+    pipeline stages: for fp16/bf16, the device's tuned file where it has tiles for this
+    head size (`tuned.py`, written by `benchmarks/gpu_check.py --tune`), else these guesses."""
+    if device is not None and head_dim is not None and q_dtype in (torch.float16, torch.bfloat16):
+        kind = "prefill" if max_query_len > 1 else "decode_split" if split else "decode"
+        tuned_cfg = tuned.attention(kind, device, head_dim)
         if tuned_cfg:
             return tuned_cfg
     # tl.dot wants >= 16 rows; a decode step has one query per request, so its
@@ -248,7 +249,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     group_pad = next_pow2(group)
     if num_splits is None:
         num_splits = default_num_splits(q.device, num_seqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
-    cfg = config or launch_config(q.dtype, meta.max_query_len, group_pad, num_splits > 1, q.device)
+    cfg = config or launch_config(q.dtype, meta.max_query_len, group_pad, num_splits > 1, q.device, head_dim)
     block_q = max(1, cfg["rows"] // group_pad)
     block_d = max(16, next_pow2(head_dim))
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)

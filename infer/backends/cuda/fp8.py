@@ -9,7 +9,8 @@ target and in the interpreter alike.
 Decoding has two forms, both exact for every finite code (`native_fp8` picks):
 
 * native (sm_89+: Ada, Hopper; and the interpreter): the GPU's own conversion,
-  two codes per instruction, the value itself;
+  two codes per instruction, the value itself (the interpreter reads NaN codes
+  as 480, the hardware as NaN);
 * bits (the A100 and older): the code's exponent and mantissa bits placed in a
   float16's fields, which is the value times 2^-8 (the two formats' exponent
   biases differ by 8), subnormal codes included, in three integer ops. NaN

@@ -10,13 +10,17 @@ variable ``INFER_CUDA_CONFIG`` names a file to use instead, whatever the device
 
 The file::
 
-    {"attention": {"decode": {"rows": 16, "tile_n": 64, "num_warps": 4, "num_stages": 3},
+    {"attention": {"head_dim": 128,
+                   "decode": {"rows": 16, "tile_n": 64, "num_warps": 4, "num_stages": 3},
                    "decode_split": {...}, "prefill": {...}},
      "quant_linear": {"decode": [16, 32, 128, 4], "prefill": [64, 64, 64, 4]},
      "measured": {...free-form: versions, shapes, timings}}
 
 Every entry is optional. They apply to fp16/bf16 inputs (what the sweep
-measures); float32 keeps the built-in tiles.
+measures); float32 keeps the built-in tiles. Attention tiles apply at the
+``head_dim`` they were measured at only: a program's shared memory grows with
+it, so tiles that fit head size 128 may not build at 256. The quantized
+linear's tiles do not depend on the model's shapes.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def _pow2(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+def _int_in(v: Any, lo: int, hi: int, pow2: bool = True) -> bool:
+    ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+    return ok and (not pow2 or v & (v - 1) == 0)
 
 
 def validate(data: Any, source: str) -> dict:
@@ -67,44 +72,60 @@ def validate(data: Any, source: str) -> dict:
     unknown = set(data) - {"attention", "quant_linear", "measured"}
     if unknown:
         fail(f"unknown section(s) {sorted(unknown)}; expected attention, quant_linear, measured")
-    for kind, cfg in data.get("attention", {}).items():
+    for section in ("attention", "quant_linear"):
+        if not isinstance(data.get(section, {}), dict):
+            fail(f"{section} must be an object, got {data[section]!r}")
+    att = data.get("attention", {})
+    if att and not _int_in(att.get("head_dim"), 16, 512, pow2=False):
+        fail(f"attention.head_dim (the head size the tiles were measured at) must be given, 16..512: "
+             f"{att.get('head_dim')!r}")
+    for kind, cfg in att.items():
+        if kind == "head_dim":
+            continue
         if kind not in ATTENTION_KINDS:
-            fail(f"attention.{kind}: unknown; expected one of {ATTENTION_KINDS}")
+            fail(f"attention.{kind}: unknown; expected head_dim or one of {ATTENTION_KINDS}")
         if not isinstance(cfg, dict) or set(cfg) != set(_ATTENTION_FIELDS):
             fail(f"attention.{kind} must have exactly {_ATTENTION_FIELDS}, got {cfg!r}")
-        stages = cfg["num_stages"]
-        if not all(_pow2(cfg[f]) for f in ("rows", "tile_n", "num_warps")) or not (
-                isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1):
-            fail(f"attention.{kind}: rows, tile_n and num_warps must be powers of two, num_stages >= 1: {cfg}")
-        if cfg["rows"] < 16 or cfg["tile_n"] < 16:
-            fail(f"attention.{kind}: rows and tile_n must be >= 16 (tl.dot's smallest tile): {cfg}")
+        if not (_int_in(cfg["rows"], 16, 256) and _int_in(cfg["tile_n"], 16, 256)
+                and _int_in(cfg["num_warps"], 1, 32) and _int_in(cfg["num_stages"], 1, 8, pow2=False)):
+            fail(f"attention.{kind}: rows and tile_n must be powers of two in 16..256 (tl.dot's smallest tile "
+                 f"is 16), num_warps a power of two up to 32, num_stages 1..8: {cfg}")
     for kind, tile in data.get("quant_linear", {}).items():
         if kind not in LINEAR_KINDS:
             fail(f"quant_linear.{kind}: unknown; expected one of {LINEAR_KINDS}")
-        if not isinstance(tile, list) or len(tile) != 4 or not all(_pow2(v) for v in tile) or min(tile[:3]) < 16:
-            fail(f"quant_linear.{kind} must be [BLOCK_T, BLOCK_N, BLOCK_K, num_warps], powers of two, "
-                 f"tiles >= 16: {tile!r}")
+        if not (isinstance(tile, list) and len(tile) == 4 and all(_int_in(v, 16, 512) for v in tile[:3])
+                and _int_in(tile[3], 1, 32)):
+            fail(f"quant_linear.{kind} must be [BLOCK_T, BLOCK_N, BLOCK_K, num_warps]: tiles powers of two in "
+                 f"16..512, num_warps a power of two up to 32: {tile!r}")
     return data
 
 
-@functools.lru_cache(maxsize=None)
 def load(name: str) -> dict:
-    """The tuned config for device `name` ({} when there is none)."""
-    path = os.environ.get(ENV) or CONFIG_DIR / file_name(name)
-    if not os.path.exists(path):
-        if os.environ.get(ENV):
+    """The tuned config for device `name` ({} when there is none). INFER_CUDA_CONFIG is
+    read on every call (cheap); each file is parsed once."""
+    return _load(name, os.environ.get(ENV) or None)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str, override: str | None) -> dict:
+    path = override or str(CONFIG_DIR / file_name(name))
+    if not os.path.isfile(path):
+        if override:
             raise TunedConfigError(f"{ENV}={path}: no such file")
         return {}
     try:
         with open(path) as f:
             data = json.load(f)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TunedConfigError(f"tuned cuda config {path}: not JSON ({exc})") from None
-    return validate(data, str(path))
+    return validate(data, path)
 
 
-def attention(kind: str, device: torch.device | str) -> dict | None:
-    cfg = load(device_name(device)).get("attention", {}).get(kind)
+def attention(kind: str, device: torch.device | str, head_dim: int) -> dict | None:
+    """Tiles for `kind` at `head_dim`: only the head size they were measured at (shared
+    memory grows with it, so tiles that fit one head size may not build for a larger one)."""
+    att = load(device_name(device)).get("attention", {})
+    cfg = att.get(kind) if att.get("head_dim") == head_dim else None
     return dict(cfg) if cfg else None
 
 
