@@ -84,6 +84,9 @@ def parse_args():
                    help="also sweep the attention and int4-linear launch parameters (a few minutes on a GPU)")
     p.add_argument("--only", action="append", default=[], help="run only this section (repeatable)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="stop starting sections (and tune sweeps their configurations) this many seconds after "
+                        "the start, so a run under a hard time limit still ends in time to write what it has")
     p.add_argument("--write-config", default=None, metavar="DIR",
                    help="with the tune section: write its best tiles as DIR/<device>.json, the file the cuda "
                         "kernels look up (copy it to infer/backends/cuda/configs/)")
@@ -94,6 +97,7 @@ def parse_args():
 
 
 ARGS = parse_args()
+START = time.perf_counter()
 _HAS_GPU = False
 try:
     import torch
@@ -501,6 +505,9 @@ def _sweep(label, run, default, configs):
     t_default = timed(lambda: run(default))
     best_t, best, tried = t_default, default, []
     for cfg in configs:
+        if out_of_time(margin=10.0):  # keep the time to print and write what was found
+            tried.append(dict(config=cfg, error="not tried: past --deadline"))
+            continue
         try:
             diff = ((run(cfg).float() - ref).abs().max() / scale).item()
         except Exception as exc:  # noqa: BLE001  (a config the compiler rejects)
@@ -514,6 +521,8 @@ def _sweep(label, run, default, configs):
         if t < best_t:
             best_t, best = t, cfg
     ok = sum("ms" in r for r in tried)
+    RESULTS["sections"].setdefault("tune (so far)", {})[label] = dict(default=default, best=best, best_ms=best_t * 1e3)
+    write_json()  # each sweep as it finishes
     print(f"  {label}: default {t_default * 1e3:.3f} ms {default}; best {best_t * 1e3:.3f} ms {best} "
           f"(x{t_default / best_t:.2f}; {ok} of {len(configs)} alternatives ran)")
     return dict(default=default, default_ms=t_default * 1e3, best=best, best_ms=best_t * 1e3, tried=tried)
@@ -600,8 +609,25 @@ def _write_config(tune_out: dict, folder: str) -> None:
     print(f"  tuned config written: {path}")
 
 
-SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "primitives": section_primitives,
-            "attention": section_attention, "e2e": section_e2e, "engine": section_engine, "tune": section_tune}
+# In order of what a short device session needs most: yardsticks, correctness, the two targets,
+# the engine, per-primitive timings, tuning.
+SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "attention": section_attention,
+            "e2e": section_e2e, "engine": section_engine, "primitives": section_primitives, "tune": section_tune}
+# Seconds a section may take on an H100/H200, kernel compiles included (guesses, generous): with
+# --deadline, a section starts only if that much time is left. tune's sweeps stop by themselves.
+SECTION_SECONDS = {"peaks": 15, "conformance": 150, "attention": 45, "e2e": 120, "engine": 180, "primitives": 90,
+                   "tune": 30}
+
+
+def out_of_time(margin: float = 0.0) -> bool:
+    """Past --deadline (less `margin` seconds)?"""
+    return ARGS.deadline is not None and time.perf_counter() - START > ARGS.deadline - margin
+
+
+def write_json() -> None:
+    if ARGS.json:  # after every section: a run killed at its time limit keeps what it finished
+        with open(ARGS.json, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
 
 
 def main() -> int:
@@ -609,11 +635,14 @@ def main() -> int:
     import triton
 
     print(f"gpu_check: {RESULTS['mode']}; device {name}; torch {torch.__version__}, triton {triton.__version__}")
-    ok = True
-    start = time.perf_counter()
+    ok, skipped = True, []
     for sec, fn in SECTIONS.items():
         wanted = sec in ARGS.only if ARGS.only else sec not in ARGS.skip and (sec != "tune" or ARGS.tune)
         if not wanted:
+            continue
+        if out_of_time(margin=0 if SMOKE_MODE else SECTION_SECONDS[sec]):
+            skipped.append(sec)
+            RESULTS["sections"][sec] = {"status": "skipped: past --deadline"}
             continue
         t = time.perf_counter()
         print(f"[{sec}]")
@@ -628,13 +657,14 @@ def main() -> int:
         out["seconds"] = time.perf_counter() - t
         RESULTS["sections"][sec] = out
         print(f"  ({out['seconds']:.1f} s)")
+        write_json()
         gc.collect()  # a section's runner (closures referring back to it) is a reference cycle
         if DEV.startswith("cuda"):
             torch.cuda.empty_cache()
-    print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.perf_counter() - start:.1f} s")
-    if ARGS.json:
-        with open(ARGS.json, "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    if skipped:
+        print(f"past --deadline {ARGS.deadline:.0f} s: skipped {', '.join(skipped)}")
+    print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.perf_counter() - START:.1f} s")
+    write_json()
     return 0 if ok else 1
 
 

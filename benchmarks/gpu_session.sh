@@ -7,8 +7,8 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0
 # Then run this script there with `.whl` carried along; results land in $OUT
-# (or ./gpu-results): gpu_check.log/.json, and with --tune tune.log/.json and the
-# device's tuned-config file (e.g. NVIDIA_H200.json).
+# (or ./gpu-results): gpu_check.log/.json, and with --tune the device's tuned-config
+# file (e.g. NVIDIA_H200.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
@@ -21,11 +21,14 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$out/nvidia-smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
-rc=${PIPESTATUS[0]}
+# One process (kernels compile once), stopped in time: the device tool's commands run at
+# most 600 s, so by default no section or tune configuration starts after 540 s and the
+# JSON is rewritten after every section. GPU_CHECK_DEADLINE overrides the 540.
+args=(--json "$out/gpu_check.json" --deadline "${GPU_CHECK_DEADLINE:-540}")
 if [[ "${1:-}" == "--tune" ]]; then
-    # Also writes $out/<device>.json, the tuned-config file the kernels look up: copy it to
-    # infer/backends/cuda/configs/ and commit it.
-    python3 benchmarks/gpu_check.py --only tune --json "$out/tune.json" --write-config "$out" 2>&1 | tee "$out/tune.log"
+    # The tune section runs last and also writes $out/<device>.json, the tuned-config file
+    # the kernels look up: copy it to infer/backends/cuda/configs/ and commit it.
+    args+=(--tune --write-config "$out")
 fi
-exit "$rc"
+python3 benchmarks/gpu_check.py "${args[@]}" 2>&1 | tee "$out/gpu_check.log"
+exit "${PIPESTATUS[0]}"

@@ -121,6 +121,15 @@ def test_gpu_check_script_runs_every_section_on_toy_shapes(tmp_path):
         assert line in out, out
 
 
+def test_gpu_check_past_its_deadline_skips_sections_and_still_writes_its_json(tmp_path):
+    res = tmp_path / "r.json"
+    out = _interpreted([str(HERE.parent / "benchmarks" / "gpu_check.py"), "--smoke", "--only", "peaks", "--only",
+                        "attention", "--deadline", "0", "--json", str(res)])
+    assert "past --deadline 0 s: skipped peaks, attention" in out and "gpu_check passed" in out
+    assert {k: v["status"] for k, v in json.loads(res.read_text())["sections"].items()} == {
+        "peaks": "skipped: past --deadline", "attention": "skipped: past --deadline"}
+
+
 def test_without_the_variable_or_a_gpu_cuda_is_unavailable_with_the_reason():
     import torch
 
