@@ -99,6 +99,10 @@ def test_tiny_llama_greedy_tokens_match_torch_and_transformers():
     _check("check_tiny_llama_greedy")
 
 
+def test_fp8_checkpoint_kv_scales_through_the_engine_match_torch():
+    _check("check_fp8_checkpoint_with_kv_scales_greedy")
+
+
 def test_decode_forward_never_waits_for_the_device_so_a_cuda_graph_can_hold_it():
     _check("check_decode_forward_has_no_host_sync")
 
@@ -412,9 +416,10 @@ def check_padding_requests():
         assert not out[len(x["q"]):].any()
 
 
-def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto"):
+def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto", kv_scales=None):
     """Greedy tokens of backend `name` ('cuda_padded': cuda through the decode graphs'
-    static buffers, batches padded to 1, 2 or 4, run eagerly as a graph would replay them)."""
+    static buffers, batches padded to 1, 2 or 4, run eagerly as a graph would replay them).
+    `kv_scales`: the per-layer (k_scale, v_scale) the engine must have read."""
     from infer.backends.cuda.graphs import DecodeGraphs
     from infer.core.llm import LLM
 
@@ -423,6 +428,7 @@ def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto"):
               max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     assert engine.ops.provider("attention", kv_cache_dtype=kv_cache_dtype).name == name.removesuffix("_padded")
+    assert kv_scales is None or engine.runner.kv_scales == kv_scales, engine.runner.kv_scales
     assert engine.decode_graphs is None  # interpreter mode captures nothing
     if name == "cuda_padded":
         engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
@@ -430,6 +436,9 @@ def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto"):
         engine.decode_graphs.capture()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert name != "cuda_padded" or engine.decode_graphs.replays > 0
+    if params.logprobs is not None:  # tokens and their log-probabilities
+        return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                for c in (o.outputs[0] for o in outs)]
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -456,6 +465,35 @@ def check_tiny_llama_greedy():
                                do_sample=False, max_new_tokens=6, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert got["cuda"] == got["torch"] == got["cuda_padded"] == want, got
     assert fp8["cuda"] == fp8["torch"] == fp8["cuda_padded"], fp8
+
+
+def check_fp8_checkpoint_with_kv_scales_greedy():
+    """An fp8 checkpoint (fp8 weights) with per-layer k_scale/v_scale that are not powers of
+    two, through the engine: cuda (eager and padded graph buffers) gives torch's greedy tokens
+    and their log-probabilities (which a scale left out would move)."""
+    import tempfile
+    from pathlib import Path
+
+    from test_quant_hf import _with_kv_scales
+
+    from infer.core.sampling_params import SamplingParams
+
+    def scales(i):
+        return {"k_scale": 0.37 + 0.2 * i, "v_scale": 1.3 / (i + 1)}
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 211, n).tolist() for n in (19, 4, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    with tempfile.TemporaryDirectory() as path:
+        _with_kv_scales(Path(path), scales)
+        layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+        want_scales = [tuple(float(np.float32(v)) for v in scales(i).values()) for i in range(layers)]
+        got = {name: _greedy_tokens(path, name, prompts, params, "fp8", want_scales)
+               for name in ("cuda", "torch", "cuda_padded")}
+    for name in ("cuda", "cuda_padded"):
+        assert [t for t, _ in got[name]] == [t for t, _ in got["torch"]], got
+        np.testing.assert_allclose([lp for _, lps in got[name] for lp in lps],
+                                   [lp for _, lps in got["torch"] for lp in lps], rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 # Ops after which the host needs a device value (a sync on a GPU, an error inside a
