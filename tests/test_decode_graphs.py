@@ -235,7 +235,7 @@ def test_cuda_graphs_need_a_cuda_device(tiny, leak_check):
     _, path = tiny
     runner = make(path, leak_check).engine.runner
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the runner's is cpu"):
-        DecodeGraphs(runner, max_model_len=64, block_size=16)
+        DecodeGraphs(runner, max_model_len=64, block_size=16, batch_sizes=(1,))
 
 
 def test_default_graph_sizes_follow_vllm_up_to_max_num_seqs():

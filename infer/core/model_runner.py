@@ -70,8 +70,9 @@ class ModelRunner:
     def _checkpoint_kv_scales(self, weights: Mapping[str, np.ndarray]) -> list[tuple[float, float]]:
         """Per-layer (k_scale, v_scale) from the checkpoint, 1.0 where it has none."""
         scales, found = [], 0
+        calls = self.program.primitive_calls()
         for layer in range(self.program.graph.num_layers):
-            attn = next((c for c in self.program.primitive_calls() if c.primitive == "linear" and c.layer == layer
+            attn = next((c for c in calls if c.primitive == "linear" and c.layer == layer
                          and c.params.get("weight", "").endswith("qkv_proj")), None)
             source = self.program.graph.params[attn.params["weight"]].sources[0] if attn else ""
             prefix = source.rsplit(".", 2)[0] + "." if source.endswith("_proj.weight") else None

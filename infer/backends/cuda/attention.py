@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ...primitives.types import AttentionMetadata
+from ..torch_native.fp8_kv import cache_scales
 from . import tuned
 from .fp8 import e4m3_to_f16, fp8_rescale, native_fp8
 from .launch import compute_f32, dot_precision, next_pow2
@@ -235,10 +236,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    fp8_cache = kv_cache.dtype == torch.uint8
-    if kv_scales is not None and not fp8_cache:
-        raise ValueError("attention: kv_scales are for an fp8 cache; this cache is in the model dtype")
-    k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
+    fp8_cache, (k_scale, v_scale) = cache_scales(kv_cache, kv_scales, "attention: kv_scales")
     native = fp8_cache and native_fp8(q.device)
     v_mul = 1.0
     if fp8_cache:

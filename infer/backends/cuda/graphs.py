@@ -30,14 +30,12 @@ import torch
 
 from ...primitives.types import AttentionMetadata
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
 class DecodeGraphs:
     """Replays a captured forward of `runner` for decode-only steps of up to ``max(batch_sizes)`` requests."""
 
-    def __init__(self, runner, max_model_len: int, block_size: int, batch_sizes: Iterable[int] = BATCH_SIZES,
+    def __init__(self, runner, max_model_len: int, block_size: int, batch_sizes: Iterable[int],
                  use_graphs: bool = True):
+        """`batch_sizes`: the engine's are `core.config.graph_batch_sizes`."""
         self.runner, self.block_size, self.max_model_len = runner, block_size, max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.batch_sizes = tuple(sorted(set(batch_sizes)))

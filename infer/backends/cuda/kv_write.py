@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..torch_native.fp8_kv import cache_scales
 from .fp8 import e4m3_encode
 from .launch import next_pow2, row_warps
 
@@ -47,10 +48,7 @@ def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scales: tuple[float, float] | None = None) -> None:
     """`scales` (k_scale, v_scale) only for an fp8 (uint8) cache, where None means 1.0."""
-    fp8 = kv_cache.dtype == torch.uint8
-    if scales is not None and not fp8:
-        raise ValueError("kv_write: scales are for an fp8 cache; this cache is in the model dtype")
-    k_scale, v_scale = scales if scales is not None else (1.0, 1.0)
+    fp8, (k_scale, v_scale) = cache_scales(kv_cache, scales, "kv_write: scales")
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return

@@ -32,10 +32,9 @@ _SCORE_CHUNK = 1 << 22
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scales=None) -> None:
-    fp8 = kv_cache.dtype == torch.uint8  # an fp8 cache holds e4m3 codes of k / k_scale, v / v_scale
-    if scales is not None and not fp8:
-        raise ValueError("kv_write: scales are for an fp8 cache; this cache is in the model dtype")
-    scales = (scales if scales is not None else (1.0, 1.0)) if fp8 else None
+    # An fp8 cache holds e4m3 codes of k / k_scale, v / v_scale.
+    fp8, scales = fp8_kv.cache_scales(kv_cache, scales, "kv_write: scales")
+    scales = scales if fp8 else None
     if native.kv_write(k, v, kv_cache, slot_mapping, scales):
         return
     if fp8:

@@ -14,6 +14,15 @@ import torch
 E4M3_MAX = 448.0
 
 
+def cache_scales(kv_cache: torch.Tensor, scales, name: str = "scales") -> tuple[bool, tuple[float, float]]:
+    """(whether `kv_cache` is fp8, its (k_scale, v_scale)): scales belong to an fp8 (uint8)
+    cache only, where None means 1.0. Shared by the torch and cuda kernels' wrappers."""
+    fp8 = kv_cache.dtype == torch.uint8
+    if scales is not None and not fp8:
+        raise ValueError(f"{name} are for an fp8 cache; this cache is in the model dtype")
+    return fp8, (scales if scales is not None else (1.0, 1.0))
+
+
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     """uint8 codes of ``x / scale``."""
     return (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
