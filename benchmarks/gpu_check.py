@@ -119,7 +119,8 @@ from infer.core.lowering import lower  # noqa: E402
 from infer.core.model_runner import ModelRunner  # noqa: E402
 from infer.core.models.llama import build_llama  # noqa: E402
 from infer.primitives.types import AttentionMetadata  # noqa: E402
-from infer.registry import Ops, get_backend  # noqa: E402
+from infer.dispatch import Ops
+from infer.registry import get_backend  # noqa: E402
 
 S = SMOKE if SMOKE_MODE else Shapes()
 CUDA = get_backend("cuda")
@@ -279,7 +280,7 @@ def section_primitives(out):
     cache = CUDA.allocate_kv_cache(n * (-(-L // S.block_size)), S.block_size, S.kv_heads, D, "bfloat16")
     cache.normal_()
     qp = rnd(n * L, S.heads, D)
-    mc, mt = CUDA.prepare_metadata(meta), TORCH.prepare_metadata(meta)
+    mc, mt = CUDA.prepare_metadata(meta), Ops(TORCH).prepare_metadata(meta)
     row(f"attention prefill {n}x{L}", lambda: CUDA.attention(qp, cache, mc, D**-0.5), lambda: TORCH.attention(qp, cache, mt, D**-0.5),
         flops=4 * n * S.heads * D * L * (L + 1) / 2)
     out["rows"] = rows
@@ -358,13 +359,13 @@ def section_e2e(out):
                                     zip(meta.seq_lens, meta.query_start_loc[:-1], meta.query_start_loc[1:])])
         last = (meta.query_start_loc[1:] - 1).astype(np.int64)
         return lambda: runner.forward(CUDA.asarray(ids), CUDA.asarray(positions), CUDA.asarray(last),
-                                      CUDA.prepare_metadata(meta))
+                                      CUDA.prepare_metadata(meta)).logits
 
     t = timed(step(_decode_meta(n, L, q_len=L, shuffle=False)), warmup=1, iters=max(1, S.iters // 3))
     print(f"  prefill {n}x{L}: {t * 1e3:.1f} ms, {n * L / t:,.0f} tokens/s")
     out["prefill_tokens_per_s"] = n * L / t
     # Off a GPU the same static buffers and padding run eagerly: every path but the capture itself.
-    graphs = DecodeGraphs(runner, max_model_len=8192, block_size=S.block_size, batch_sizes=(1, 4, B),
+    graphs = DecodeGraphs(runner.forward, CUDA.device, max_model_len=8192, block_size=S.block_size, batch_sizes=(1, 4, B),
                           use_graphs=DEV.startswith("cuda"))
     graphs.capture()
     taken = (f"captured for batch {sorted(graphs.graphs)}" if graphs.graphs
@@ -376,11 +377,11 @@ def section_e2e(out):
         positions = np.full(b, c - 1)
         eager = step(meta, ids)
         t_e = timed(eager)
-        t_g = timed(lambda: graphs.forward(ids, positions, meta))
+        t_g = timed(lambda: graphs.forward(ids, positions, meta).logits)
         # Replays use the split count of the captured capacity, eager that of this
         # context: equal up to bf16 rounding, while a broken replay is off by O(1).
         want = eager().float()
-        diff = ((graphs.forward(ids, positions, meta).float() - want).abs().max() / want.abs().max()).item()
+        diff = ((graphs.forward(ids, positions, meta).logits.float() - want).abs().max() / want.abs().max()).item()
         kv_bytes = 2 * S.layers * b * c * S.kv_heads * S.head_dim * 2
         floor = (weight_bytes + kv_bytes) / (PEAK["copy_GBps"] * 1e9) if PEAK["copy_GBps"] else float("nan")
         best = min(t_e, t_g)
@@ -454,7 +455,7 @@ def section_engine(out):
                 if graphs_mode and engine.decode_graphs is None and not SMOKE_MODE:
                     raise AssertionError(f"the engine captured no decode graphs on the GPU ({mode})")
                 if mode.endswith("static") or engine.decode_graphs is None and graphs_mode:  # smoke: no CUDA graph
-                    engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len,
+                    engine.decode_graphs = DecodeGraphs(engine.runner.forward, engine.backend.device, engine.max_model_len,
                                                         engine.cache_config.block_size, graph_batch_sizes(batch),
                                                         use_graphs=False)
                     engine.decode_graphs.capture()

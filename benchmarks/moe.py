@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from infer.bench.machine import CpuLoad
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 from infer.testing import inputs
 
 TARGET_T, TARGET_RATIO = 256, 0.35

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from infer.primitives.types import DenseWeight
-from infer.registry import BackendUnavailableError, Ops, get_backend, registry
+from infer.dispatch import Ops
+from infer.registry import BackendUnavailableError, get_backend, registry
 from infer.bench.machine import GB, CpuLoad, blas_info, l3_bytes, measure_bandwidth, measure_peak
 from infer.testing import inputs
 
@@ -93,7 +94,7 @@ def build_cases(backend, impl, ops: Ops, prim: str, t: int, dtype: str, ctx: int
             write = ops.resolve("kv_write", dtype=dtype)[0]
             if len(a["cached_slots"]):
                 write(f(a["cached_k"]), f(a["cached_v"]), cache, backend.asarray(a["cached_slots"]), None)
-            meta = backend.prepare_metadata(a["meta"])
+            meta = ops.prepare_metadata(a["meta"], dtype=dtype, head_dim=D, sliding_window=False, soft_cap=False)
             write(f(a["new_k"]), f(a["new_v"]), cache, meta.slot_mapping, None)
             q = f(a["q"])
             keys = sum(q_len * s - q_len * (q_len - 1) // 2 for q_len, s in reqs)  # (query, key) pairs

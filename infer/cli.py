@@ -8,29 +8,21 @@ parser and sets ``func``; `COMMANDS` lists them, so adding `run`, `serve` or
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter, defaultdict
 from typing import Callable
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
+from .console import console as _console
 from .primitives.backend import Backend
 from .primitives.spec import PRIMITIVES
 from .primitives.types import FLOAT_DTYPES
 from .testing.cases import CHECKED
 
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", **{d: d for d in FLOAT_DTYPES}}
-
-
-def _console(stderr: bool = False) -> Console:
-    # Piped output (CI logs, tests) gets $COLUMNS or a wide 200 instead of wrapping at 80.
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else int(os.environ.get("COLUMNS") or 200)
-    return Console(file=stream, width=width, highlight=False)
 
 
 # -- infer backends -----------------------------------------------------------
@@ -54,13 +46,19 @@ def declared_coverage(cls: type[Backend]) -> dict[str, str]:
 
 
 def _coverage(info) -> tuple[dict[str, str], str]:
-    """(primitive -> provider, note) as Ops resolves it, or as declared when unavailable."""
+    """(primitive -> provider, note) as Ops resolves it, or as declared when unavailable;
+    the note names the declared fast paths (e.g. the torch backend's native kernels)."""
     if not info.available:
         return declared_coverage(info.cls), "declared"
-    from .registry import Ops
+    from .dispatch import Ops
 
     try:
-        return Ops(info.cls()).coverage(), ""
+        ops = Ops(info.cls())
+        fast = ops.fast_paths()
+        labels = sorted({label.split(":", 1)[1] for label in fast.values()})
+        note = "; ".join(f"fast path {lb}: " + ", ".join(p for p, f in fast.items() if f.endswith(":" + lb))
+                         for lb in labels)
+        return ops.coverage(), note
     except Exception as exc:  # e.g. its fallback is unavailable here
         return declared_coverage(info.cls), f"declared; {type(exc).__name__}: {exc}"
 

@@ -64,6 +64,9 @@ def add_run(sub) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: when the model has one)")
     p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--trace-dispatch", action="store_true",
+                   help="after the run, print which implementation (primitive, fast path, fused node, fallback "
+                        "backend) served every call, and how often")
     p.set_defaults(func=cmd_run)
 
 
@@ -78,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.time()
     try:
         # One request: a KV pool for one full context, not max_num_seqs of them.
-        engine = LLMEngine(engine_args(args, max_num_seqs=1, show_progress=None))
+        engine = LLMEngine(engine_args(args, max_num_seqs=1, show_progress=None, trace_dispatch=args.trace_dispatch))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"infer run: {exc}", file=sys.stderr)
         return 2
@@ -124,6 +127,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"first token {((first or end) - start) * 1000:.0f} ms | {n} tokens in {end - start:.2f} s"
           + (f", decode {max(n - 1, 0) / decode_s:.1f} tok/s" if decode_s > 0 else "")
           + f" | finish: {comp.finish_reason}", file=sys.stderr)
+    if engine.dispatch_trace is not None:
+        print(f"dispatch on backend '{engine.backend.name}' (node, call, implementation, calls):", file=sys.stderr)
+        print(engine.dispatch_trace.format(), file=sys.stderr)
     return 0
 
 

@@ -78,7 +78,7 @@ def _print_tables(console, reqs, args) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .cli import _console
+    from .console import console as _console
 
     reqs = args.reqs if args.reqs is not None else random_requests(args.seed, args.budget)
     _print_tables(_console(), reqs, args)

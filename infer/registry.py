@@ -1,19 +1,17 @@
 """The plugin registry: finds backends and architectures through pluggy, and
-resolves each primitive of a chosen backend to an implementation (its own or its
-declared fallback's)."""
+instantiates backends by name (`infer.dispatch.Ops` resolves their primitives)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
-from .primitives.backend import PLUGIN_API_VERSION, Backend
+from .primitives.backend import PLUGIN_API_VERSION, SUPPORTED_API_VERSIONS, Backend
 from .primitives.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, InferHookSpec
-from .primitives.spec import CHECKS, PRIMITIVES
 from .primitives.types import Support
 
 # In-tree plugins register through the same hooks as third-party ones.
@@ -55,8 +53,10 @@ def _plugin_label(pm: pluggy.PluginManager, plugin: object) -> str:
 
 
 def _availability(cls: type[Backend]) -> Support:
-    if getattr(cls, "api_version", None) != PLUGIN_API_VERSION:
-        return Support(False, f"built for plugin API v{getattr(cls, 'api_version', '?')}, infer speaks v{PLUGIN_API_VERSION}")
+    if getattr(cls, "api_version", None) not in SUPPORTED_API_VERSIONS:
+        versions = ", ".join(f"v{v}" for v in SUPPORTED_API_VERSIONS)
+        return Support(False, f"built for plugin API v{getattr(cls, 'api_version', '?')}, infer speaks {versions} "
+                              f"(v{PLUGIN_API_VERSION} is current)")
     try:
         return cls.is_available()
     except Exception as exc:  # a plugin's probe must not take the registry down
@@ -134,95 +134,3 @@ def get_backend(name: str = "auto", device: str | None = None) -> Backend:
     if not info.available:
         raise BackendUnavailableError(f"backend '{name}' unavailable: {info.available.reason}")
     return info.cls(device=device)
-
-
-class Ops:
-    """The primitives of one backend, each resolved to an implementation.
-
-    ``ops.attention(...)`` calls the backend's own attention if it supports it,
-    else its fallback's. `resolve` answers for specific static properties
-    (dtype, weight kind, ...), which is how lowering asks once per node instead
-    of once per call.
-    """
-
-    def __init__(self, backend: Backend, validate: bool = True):
-        self.backend = backend
-        self.validate = validate
-        self._chain = [backend]
-        seen = {backend.name}
-        while (next_name := self._chain[-1].fallback) is not None and next_name not in seen:
-            seen.add(next_name)
-            self._chain.append(get_backend(next_name, device=backend.device))
-        self._cache: dict[tuple, tuple[Callable, str]] = {}
-        for prim in PRIMITIVES:
-            try:
-                fn, _ = self.resolve(prim)
-            except BackendUnavailableError:
-                continue  # reported by `coverage`; calling it raises AttributeError
-            setattr(self, prim, fn)
-        self._check_cache_layout()
-
-    def provider(self, primitive: str, **kw: Any) -> Backend:
-        """The backend instance that runs `primitive`."""
-        name = self.resolve(primitive, **kw)[1]
-        return next(b for b in self._chain if b.name == name)
-
-    def prepare_metadata(self, meta):
-        """Step metadata prepared by the backend that runs attention, so a plan
-        it attaches reaches its own kernel even when it is a fallback."""
-        return self.provider("attention").prepare_metadata(meta)
-
-    def prepare_weight(self, weight):
-        return self.provider("linear", weight_kind=weight.kind).prepare_weight(weight)
-
-    def _check_cache_layout(self) -> None:
-        # kv_write, attention and the cache itself must agree on the layout; a
-        # fallback with another layout would read garbage silently.
-        probe = (3, 16, 2, 8)
-        own = self.backend.kv_cache_shape(*probe)
-        for prim in ("kv_write", "attention"):
-            try:
-                other = self.provider(prim)
-            except BackendUnavailableError:
-                continue
-            if other is not self.backend and other.kv_cache_shape(*probe) != own:
-                raise BackendUnavailableError(
-                    f"backend '{self.backend.name}' lays out its KV cache as {self.backend.kv_cache_layout} but takes "
-                    f"{prim} from '{other.name}', which expects {other.kv_cache_layout}; implement {prim} or keep the layout")
-
-    def resolve(self, primitive: str, **kw: Any) -> tuple[Callable, str]:
-        """(implementation, name of the backend providing it) for `primitive`."""
-        key = (primitive, tuple(sorted(kw.items())))
-        if key not in self._cache:
-            reasons = []
-            for b in self._chain:
-                ok = b.supports(primitive, **kw)
-                if ok:
-                    fn = getattr(b, primitive)
-                    self._cache[key] = (_checked(primitive, fn) if self.validate else fn, b.name)
-                    break
-                reasons.append(ok.reason)
-            else:
-                raise BackendUnavailableError(f"{primitive} unsupported: " + "; ".join(reasons))
-        return self._cache[key]
-
-    def coverage(self, **kw: Any) -> dict[str, str]:
-        """primitive -> provider name, or 'missing: reason'."""
-        out = {}
-        for prim in PRIMITIVES:
-            try:
-                out[prim] = self.resolve(prim, **kw)[1]
-            except BackendUnavailableError as exc:
-                out[prim] = f"missing: {exc}"
-        return out
-
-
-def _checked(primitive: str, fn: Callable) -> Callable:
-    check = CHECKS[primitive]
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        check(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call

@@ -13,7 +13,8 @@ from infer.backends.ascend import AscendBackend
 from infer.backends.ascend import linear as smooth
 from infer.backends.ascend.availability import probe
 from infer.primitives.types import DenseWeight
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 from infer.testing import assert_conforms, cases_for, conformance_params
 from infer.testing.cases import COLLECTIVES, Case
 from infer.testing.npu_emulation import installed
@@ -108,8 +109,8 @@ def _run_llama_steps(config, weights, backend, lower, ModelRunner, build_llama):
         out = []
         for chunks, ids in steps:
             positions = np.concatenate([np.arange(c, c + q) for c, q in chunks])
-            meta = be.prepare_metadata(meta_for(chunks, 128, tables))
-            got = runner.forward(be.asarray(ids), be.asarray(positions), be.asarray(np.arange(len(ids))), meta)
+            meta = runner.prepare_metadata(meta_for(chunks, 128, tables))
+            got = runner.forward(be.asarray(ids), be.asarray(positions), be.asarray(np.arange(len(ids))), meta).logits
             out.append(be.to_numpy(got))
         logits[be.name] = np.concatenate(out)
     np.testing.assert_allclose(logits["ascend"], logits["cpu_ref"], atol=5e-3, rtol=0)
@@ -131,7 +132,7 @@ def test_smoothgemm_linear_tiles_rows_and_matches_f_linear(emulated):
     w = DenseWeight(torch.from_numpy(rng.standard_normal((48, 64)).astype(np.float32)),
                     torch.from_numpy(rng.standard_normal(48).astype(np.float32)))
     assert smooth.row_tiles(300, 128) == [(0, 128), (128, 128), (256, 44)]
-    torch.testing.assert_close(smooth.linear(x, w, m_tile=128), F.linear(x, w.weight, w.bias))
+    torch.testing.assert_close(smooth.tiled_linear(x, w, m_tile=128), F.linear(x, w.weight, w.bias))
 
 
 def test_device_is_npu_and_tensors_follow_the_emulated_namespace(backend):

@@ -6,7 +6,7 @@ import pytest
 
 from infer import __version__
 from infer.backends.cpu_ref import CpuRefBackend
-from infer.backends.torch_native.plumbing import TorchPlumbing
+from infer.primitives.torch_tensors import TorchTensors
 from infer.cli import declared_coverage, main
 from infer.registry import registry
 from test_registry import FakeEntryPoint, Plugin, fake_registry
@@ -31,7 +31,7 @@ class WrongNorm(CpuRefBackend):
         return (y[0] * 2, y[1]) if residual is not None else y * 2
 
 
-class HalfTorch(TorchPlumbing):
+class HalfTorch(TorchTensors):
     """Declares one primitive itself, inherits nothing, falls back to torch."""
 
     name = "half_torch"
@@ -41,7 +41,7 @@ class HalfTorch(TorchPlumbing):
         return table[ids]
 
 
-class Vendor(TorchPlumbing):
+class Vendor(TorchTensors):
     name = "vendor_chip"
 
     @classmethod

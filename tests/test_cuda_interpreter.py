@@ -431,7 +431,7 @@ def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto", kv_scales
     assert kv_scales is None or engine.runner.kv_scales == kv_scales, engine.runner.kv_scales
     assert engine.decode_graphs is None  # interpreter mode captures nothing
     if name == "cuda_padded":
-        engine.decode_graphs = DecodeGraphs(engine.runner, engine.max_model_len, engine.cache_config.block_size,
+        engine.decode_graphs = DecodeGraphs(engine.runner.forward, engine.backend.device, engine.max_model_len, engine.cache_config.block_size,
                                             (1, 2, 4), use_graphs=False)
         engine.decode_graphs.capture()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -517,7 +517,8 @@ def check_decode_forward_has_no_host_sync():
     from infer.core.model_runner import ModelRunner
     from infer.core.models.llama import build_llama
     from infer.core.models.moe import build_moe
-    from infer.registry import Ops, get_backend
+    from infer.dispatch import Ops
+    from infer.registry import get_backend
 
     class HostSyncs(TorchDispatchMode):
         def __init__(self):
@@ -541,7 +542,7 @@ def check_decode_forward_has_no_host_sync():
         runner = ModelRunner(lower(build(config)), backend, Ops(backend), weights, "float32", 256, kv_cache_dtype=kv)
         assert runner.ops.provider("attention", dtype="float32", kv_cache_dtype=kv).name == "cuda"
         runner.allocate_kv_caches(num_blocks=8, block_size=16)
-        graphs = DecodeGraphs(runner, 256, 16, (1, 2, 4), use_graphs=False)
+        graphs = DecodeGraphs(runner.forward, backend.device, 256, 16, (1, 2, 4), use_graphs=False)
         graphs.capture()  # the first forward validates its arguments: not what a graph holds
         spy = HostSyncs()
         with spy:

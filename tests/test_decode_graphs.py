@@ -54,8 +54,8 @@ def static_graphs(monkeypatch):
     """Make the torch backend's hook return eager static-buffer graphs; records each call."""
     calls = []
 
-    def hook(self, runner, *, max_model_len, block_size, batch_sizes, progress=iter):
-        graphs = DecodeGraphs(runner, max_model_len, block_size, batch_sizes, use_graphs=False)
+    def hook(self, forward, *, max_model_len, block_size, batch_sizes, progress=iter):
+        graphs = DecodeGraphs(forward, self.device, max_model_len, block_size, batch_sizes, use_graphs=False)
         graphs.capture(progress)
         calls.append(dict(max_model_len=max_model_len, block_size=block_size, batch_sizes=batch_sizes, graphs=graphs))
         return graphs
@@ -196,7 +196,7 @@ def test_cuda_graph_sizes_are_what_the_backend_captures(tiny, static_graphs, lea
 def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny, monkeypatch, caplog, leak_check):
     model, path = tiny
 
-    def broken(self, runner, **kw):
+    def broken(self, forward, **kw):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(TorchBackend, "decode_graphs", broken)
@@ -217,7 +217,7 @@ def test_the_torch_backend_captures_nothing(tiny, leak_check):
 def test_which_steps_can_replay(tiny, leak_check):
     _, path = tiny
     runner = make(path, leak_check, max_model_len=64).engine.runner
-    graphs = DecodeGraphs(runner, max_model_len=64, block_size=16, batch_sizes=(1, 4), use_graphs=False)
+    graphs = DecodeGraphs(runner.forward, "cpu", max_model_len=64, block_size=16, batch_sizes=(1, 4), use_graphs=False)
 
     def meta(q_lens, seq_lens, width=1):
         qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -234,8 +234,8 @@ def test_which_steps_can_replay(tiny, leak_check):
 def test_cuda_graphs_need_a_cuda_device(tiny, leak_check):
     _, path = tiny
     runner = make(path, leak_check).engine.runner
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the runner's is cpu"):
-        DecodeGraphs(runner, max_model_len=64, block_size=16, batch_sizes=(1,))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
+        DecodeGraphs(runner.forward, "cpu", max_model_len=64, block_size=16, batch_sizes=(1,))
 
 
 def test_default_graph_sizes_follow_vllm_up_to_max_num_seqs():

@@ -8,7 +8,8 @@ import pytest
 from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
 from infer.core.models.llama import build_llama
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 
 from tiny_models import MODELS, assert_logits_match_through_chunks, make_model
 

@@ -17,7 +17,8 @@ from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
 from infer.core.models.moe import build_moe
 from infer.core.sampling_params import SamplingParams
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 
 from tiny_models import assert_logits_match_through_chunks
 from tiny_moe_models import MOE_MODELS, make_moe_model, save_moe_model

@@ -22,12 +22,15 @@ import pytest
 import torch
 
 from infer.backends.torch_native import TorchBackend, native, ops
+from infer.dispatch import Ops
 from infer.backends.torch_native import attention as attention_mod
 from infer.backends.torch_native.native import ops as nops
 
 from test_torch_backend import BATCHES, dense_attention, paged_batch
 
 BACKEND = TorchBackend()
+# The primitives as the runtime resolves them: the native fast path first, the torch ops when it declines.
+OPS = Ops(BACKEND, validate=False)
 DTYPES = [torch.float32, torch.bfloat16]
 # Skipped only where they cannot be built by design: switched off, or no C compiler on the
 # machine. With a compiler present a failed build fails these tests instead of hiding.
@@ -76,7 +79,7 @@ def test_rms_norm_matches_the_torch_ops(torch_ops, dtype, residual, rows):
     x = wide[:, 50:626]  # rows of a wider buffer
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
     r = torch.randn(rows, 576, generator=g).to(dtype) if residual else None
-    got, want = ops.rms_norm(x, w, 1e-5, r), torch_ops(ops.rms_norm, x, w, 1e-5, r)
+    got, want = OPS.rms_norm(x, w, 1e-5, r), torch_ops(ops.rms_norm, x, w, 1e-5, r)
     if residual:
         assert torch.equal(got[1], want[1])  # the residual stream itself is exact
         got, want = got[0], want[0]
@@ -102,7 +105,7 @@ def test_rotary_is_exactly_the_torch_ops(torch_ops, dtype, neox, rot, adjacent):
         q, k = q.clone(), k.clone()
     table = torch.randn(100, rot)
     positions = torch.tensor([0, 3, 99, 7, 42])
-    got = ops.rotary(q, k, positions, table, neox)
+    got = OPS.rotary(q, k, positions, table, neox)
     want = torch_ops(ops.rotary, q, k, positions, table, neox)
     for a, b in zip(got, want):
         assert a.dtype == dtype and a.shape == b.shape
@@ -112,9 +115,9 @@ def test_rotary_is_exactly_the_torch_ops(torch_ops, dtype, neox, rot, adjacent):
 def test_rotary_position_outside_the_table_raises():
     _, q, k, _ = _qkv(2, 2, 1, 16, torch.float32)
     with pytest.raises(IndexError, match="position"):
-        ops.rotary(q, k, torch.tensor([1, 100]), torch.randn(100, 16), True)
+        OPS.rotary(q, k, torch.tensor([1, 100]), torch.randn(100, 16), True)
     with pytest.raises(IndexError):
-        ops.rotary(q, k, torch.tensor([-1, 0]), torch.randn(100, 16), True)
+        OPS.rotary(q, k, torch.tensor([-1, 0]), torch.randn(100, 16), True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -122,7 +125,7 @@ def test_rotary_position_outside_the_table_raises():
 def test_silu_and_mul_matches_the_torch_ops(torch_ops, dtype, rows):
     x = (torch.randn(rows, 2 * 1536) * 6).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating and zero inputs
-    _close(ops.act_and_mul(x, "silu"), torch_ops(ops.act_and_mul, x, "silu"), dtype)
+    _close(OPS.act_and_mul(x, "silu"), torch_ops(ops.act_and_mul, x, "silu"), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -131,7 +134,7 @@ def test_kv_write_is_exactly_the_torch_ops_and_skips_padded_rows(torch_ops, dtyp
     slots = torch.tensor([5, -1, 17, 0, -1, 63])
     got = BACKEND.allocate_kv_cache(4, 16, 2, 32, str(dtype).removeprefix("torch."))
     want = got.clone()
-    attention_mod.kv_write(k, v, got, slots)
+    OPS.kv_write(k, v, got, slots)
     torch_ops(attention_mod.kv_write, k, v, want, slots)
     assert torch.equal(got, want)
     flat = got.view(2, -1, 2, 32)
@@ -143,7 +146,7 @@ def test_kv_write_slot_outside_the_cache_raises_and_writes_nothing():
     _, _, k, v = _qkv(2, 2, 1, 8, torch.float32)
     cache = BACKEND.allocate_kv_cache(2, 4, 1, 8, "float32")
     with pytest.raises(IndexError, match="slot"):
-        attention_mod.kv_write(k, v, cache, torch.tensor([1, 8]))
+        OPS.kv_write(k, v, cache, torch.tensor([1, 8]))
     assert not cache.any()
 
 
@@ -153,8 +156,8 @@ def test_kv_write_slot_outside_the_cache_raises_and_writes_nothing():
 def test_attention_matches_the_torch_ops_and_dense_attention(torch_ops, batch, window, dtype):
     q_lens, seq_lens = BATCHES[batch]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, 3, 16, 4, dtype=dtype)
-    meta = BACKEND.prepare_metadata(meta)
-    got = BACKEND.attention(q, cache, meta, 0.25, window)
+    meta = OPS.prepare_metadata(meta)
+    got = OPS.attention(q, cache, meta, 0.25, window)
     want = torch_ops(BACKEND.attention, q, cache, meta, 0.25, window)
     exact = dense_attention(q, dense, q_lens, 0.25, window)
     assert got.dtype == dtype
@@ -172,7 +175,7 @@ def test_attention_matches_the_torch_ops_and_dense_attention(torch_ops, batch, w
 def test_attention_rows_past_the_batch_are_zero():
     q, cache, meta, _ = paged_batch([1, 1], [4, 9], 1, 8, 4)
     q = torch.cat([q, torch.randn(3, *q.shape[1:])])  # padded rows no request owns
-    meta = BACKEND.prepare_metadata(meta)
+    meta = OPS.prepare_metadata(meta)
     meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((3,), -1)])
     out = nops.attention(q, cache, meta, 0.5, None, work=1)
     assert out is not None and not out[2:].any() and out[:2].abs().sum() > 0
@@ -180,30 +183,30 @@ def test_attention_rows_past_the_batch_are_zero():
 
 def test_attention_with_more_work_than_the_limit_uses_the_torch_ops(monkeypatch):
     q, cache, meta, _ = paged_batch([1, 1], [40, 9], 1, 8, 4)
-    meta = BACKEND.prepare_metadata(meta)
-    assert meta.backend_data.row_keys == 49
+    meta = OPS.prepare_metadata(meta)
+    assert meta.plan.row_keys == 49
     assert nops.attention(q, cache, meta, 0.5, None, work=nops.MAX_ATTENTION_WORK + 1) is None
     calls = []
     monkeypatch.setattr(nops, "attention", lambda *a, **k: calls.append(1))  # returns None: the torch ops run
-    out = BACKEND.attention(q, cache, meta, 0.5)
+    out = OPS.attention(q, cache, meta, 0.5)
     assert calls == [1] and out.shape == q.shape
 
 
 def test_attention_block_id_outside_the_cache_raises():
     q, cache, meta, _ = paged_batch([1], [6], 1, 8, 4)
-    meta = BACKEND.prepare_metadata(meta)
+    meta = OPS.prepare_metadata(meta)
     meta.block_table[0, 1] = cache.shape[1]
     with pytest.raises(IndexError, match="block table"):
-        BACKEND.attention(q, cache, meta, 0.5)
+        OPS.attention(q, cache, meta, 0.5)
 
 
 def test_an_fp8_cache_without_scales_and_a_soft_cap_stay_on_the_torch_ops(monkeypatch):
     q, cache, meta, _ = paged_batch([1], [6], 1, 8, 4)
-    meta = BACKEND.prepare_metadata(meta)
+    meta = OPS.prepare_metadata(meta)
     assert nops.attention(q, cache.to(torch.uint8), meta, 0.5, None, work=1) is None
     assert nops.kv_write(q[:, :1], q[:, :1], cache.to(torch.uint8), torch.tensor([0])) is False
     monkeypatch.setattr(nops, "attention", lambda *a, **k: pytest.fail("soft-capped attention reached the kernel"))
-    BACKEND.attention(q, cache, meta, 0.5, soft_cap=5.0)
+    OPS.attention(q, cache, meta, 0.5, soft_cap=5.0)
 
 
 def _status_in_subprocess(env: dict) -> str:
@@ -383,7 +386,7 @@ def test_fp8_kv_write_gives_the_codes_torchs_cast_gives(torch_ops, dtype, scales
     slots[3] = -1
     got = BACKEND.allocate_kv_cache(6, 16, hk, d, "fp8")
     want = got.clone()
-    attention_mod.kv_write(kv[0], kv[1], got, slots, scales)
+    OPS.kv_write(kv[0], kv[1], got, slots, scales)
     torch_ops(attention_mod.kv_write, kv[0], kv[1], want, slots, scales)
     assert torch.equal(got, want)
     assert got.any()
@@ -398,8 +401,8 @@ def test_fp8_attention_matches_the_torch_ops(torch_ops, dtype, batch):
     flat = cache.view(2, -1, 3, 16)
     everything = torch.arange(flat.shape[1])
     torch_ops(attention_mod.kv_write, flat[0], flat[1], fp8, everything, (0.5, 0.25))  # the same codes for both
-    meta = BACKEND.prepare_metadata(meta)
-    got = BACKEND.attention(q, fp8, meta, 0.25, kv_scales=(0.5, 0.25))
+    meta = OPS.prepare_metadata(meta)
+    got = OPS.attention(q, fp8, meta, 0.25, kv_scales=(0.5, 0.25))
     want = torch_ops(BACKEND.attention, q, fp8, meta, 0.25, kv_scales=(0.5, 0.25))
     if dtype == torch.float32:
         _close(got, want, dtype)
@@ -410,7 +413,7 @@ def test_fp8_attention_matches_the_torch_ops(torch_ops, dtype, batch):
 def test_scales_for_a_model_dtype_cache_are_refused():
     _, _, k, v = _qkv(1, 2, 1, 8, torch.float32)
     with pytest.raises(ValueError, match="fp8"):
-        attention_mod.kv_write(k, v, BACKEND.allocate_kv_cache(1, 4, 1, 8, "float32"), torch.tensor([0]), (1.0, 1.0))
+        OPS.kv_write(k, v, BACKEND.allocate_kv_cache(1, 4, 1, 8, "float32"), torch.tensor([0]), (1.0, 1.0))
 
 
 def test_a_forked_child_runs_the_split_gemvs_on_its_own_threads():
@@ -443,16 +446,18 @@ import torch
 from infer.backends.torch_native import native, ops
 from infer.backends.torch_native.native import ops as nops
 from test_torch_backend import BATCHES, paged_batch, BACKEND
+from infer.dispatch import Ops
+OPS = Ops(BACKEND, validate=False)
 assert native.status().startswith("built"), native.status()
 torch.manual_seed(0)
 x, w = torch.randn(3, 576), torch.rand(576) + 0.5
-got = ops.rms_norm(x, w, 1e-6)
+got = OPS.rms_norm(x, w, 1e-6)
 q, s = torch.randint(-127, 128, (64, 96), dtype=torch.int8), torch.rand(64, 3)
 y = nops.int8_gemv(x[:, :96].contiguous(), q, s, 32)
 q_lens, seq_lens = BATCHES["mixed"]
 qq, cache, meta, _ = paged_batch(q_lens, seq_lens, 3, 16, 4)
-meta = BACKEND.prepare_metadata(meta)
-att = BACKEND.attention(qq, cache, meta, 0.25)
+meta = OPS.prepare_metadata(meta)
+att = OPS.attention(qq, cache, meta, 0.25)
 q4 = torch.randint(0, 256, (64, 48), dtype=torch.uint8)
 s4, o4 = torch.rand(64, 3) / 16, torch.randn(64, 3) / 16
 w4 = torch.stack((q4 & 15, q4 >> 4), -1).view(64, 96).double() * s4.double().repeat_interleave(32, 1)
@@ -461,7 +466,7 @@ y4 = nops.int4_gemm(x[:, :96].contiguous(), q4, s4, o4, 32)
 lib = nops.library
 nops.library = lambda: None
 torch.testing.assert_close(got, ops.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
-torch.testing.assert_close(att, BACKEND.attention(qq, cache, meta, 0.25), rtol=2e-6, atol=1e-6)
+torch.testing.assert_close(att, OPS.attention(qq, cache, meta, 0.25), rtol=2e-6, atol=1e-6)
 torch.testing.assert_close(y.double(), x[:, :96].double() @ (q.double() * s.double().repeat_interleave(32, 1)).t(),
                            rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(y4.double(), x[:, :96].double() @ w4.t(), rtol=1e-5, atol=1e-5)

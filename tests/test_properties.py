@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.registry import Ops, get_backend, registry
+from infer.dispatch import Ops
+from infer.registry import get_backend, registry
 from infer.testing import calls, inputs
 from infer.testing.conformance import compare
 

@@ -18,7 +18,8 @@ from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
 from infer.core.models.llama import build_llama
 from infer.primitives.fp8 import E4M3_MAX, e4m3_decode, e4m3_encode
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 from infer.testing.cases import all_cases
 from infer.testing.conformance import run_case
 
@@ -93,7 +94,7 @@ def test_conformance_catches_a_wrong_quantized_linear(mutant, must_fail):
 def _logits(runner, backend, ids):
     meta = meta_for([(0, len(ids))], 16, [[0, 1, 2, 3]])
     rows = np.arange(len(ids))
-    out = runner.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows), backend.prepare_metadata(meta))
+    out = runner.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows), runner.prepare_metadata(meta)).logits
     return backend.to_numpy(out)
 
 

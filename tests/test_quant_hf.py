@@ -20,7 +20,8 @@ from infer.core.loader import load_model
 from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
 from infer.core.models.llama import build_llama
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 
 from tiny_models import make_model, meta_for
 
@@ -116,7 +117,7 @@ def run_infer(path, backend_name: str, ids: np.ndarray) -> np.ndarray:
     runner.allocate_kv_caches(num_blocks=4, block_size=16)
     meta = meta_for([(0, len(ids))], 16, [[0, 1, 2, 3]])
     rows = np.arange(len(ids))
-    out = runner.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows), backend.prepare_metadata(meta))
+    out = runner.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows), runner.prepare_metadata(meta)).logits
     return backend.to_numpy(out)
 
 
@@ -195,7 +196,7 @@ def test_fp8_kv_scales_come_from_the_checkpoint(tmp_path, names):
     for r in (runner, unit):
         r.allocate_kv_caches(num_blocks=4, block_size=16)
         r.forward(backend.asarray(ids), backend.asarray(rows), backend.asarray(rows[-1:]),
-                  backend.prepare_metadata(meta_for([(0, len(ids))], 16, [[0, 1, 2, 3]])))
+                  r.prepare_metadata(meta_for([(0, len(ids))], 16, [[0, 1, 2, 3]])))
         decoded.append(backend.kv_cache_to_numpy(r.kv_caches[1]))
     for i, scale in enumerate(runner.kv_scales[1]):
         scaled, plain = decoded[0][i], decoded[1][i]

@@ -15,7 +15,8 @@ from infer.core.loader import load_model
 from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
 from infer.core.models.llama import build_llama
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 
 from conftest import require_smollm2
 from tiny_models import meta_for
@@ -48,7 +49,7 @@ class Model:
         meta = meta_for(chunks, BLOCK, self.tables[:len(chunks)])
         positions = np.concatenate([np.arange(c, c + q) for c, q in chunks])
         out = self.runner.forward(b.asarray(np.asarray(ids)), b.asarray(positions), b.asarray(np.asarray(rows)),
-                                  b.prepare_metadata(meta))
+                                  self.runner.prepare_metadata(meta)).logits
         return b.to_numpy(out).astype(np.float64)
 
     def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -10,7 +10,8 @@ import pytest
 import infer.registry as registry_mod
 from infer.primitives import FLOAT_DTYPES, PLUGIN_API_VERSION, AttentionMetadata, Backend, PrimitiveArgumentError, hookimpl
 from infer.primitives.types import Support
-from infer.registry import BackendUnavailableError, Ops, build_registry, get_backend, registry
+from infer.dispatch import Ops
+from infer.registry import BackendUnavailableError, build_registry, get_backend, registry
 
 
 # -- tiny NumPy backends, registered through fake entry points ---------------
@@ -126,7 +127,7 @@ def test_api_version_mismatch_is_unavailable_with_reason(reg):
     info = reg.backends["test_old_api"]
     assert not info.available
     assert f"plugin API v{PLUGIN_API_VERSION + 1}" in info.available.reason
-    assert f"infer speaks v{PLUGIN_API_VERSION}" in info.available.reason
+    assert f"infer speaks v1, v{PLUGIN_API_VERSION}" in info.available.reason
     with pytest.raises(BackendUnavailableError, match="test_old_api.*unavailable.*plugin API"):
         get_backend("test_old_api")
 

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from infer.core.block_manager import cdiv
 from infer.core.config import CacheConfig, SchedulerConfig
 from infer.core.request import Request, RequestStatus
+from infer.core.sampling_params import SamplingParams
 from infer.core.scheduler import Scheduler
+from infer.core.scheduler_output import StepOutput
 
 VOCAB = 97
 
@@ -33,21 +35,21 @@ def reference(prompt, max_tokens, forced=()) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def stop_at_max_tokens(req: Request):
-    """The engine's stop condition in these tests: sampling_params is max_tokens."""
-    return RequestStatus.FINISHED_LENGTH_CAPPED if req.num_output_tokens >= req.sampling_params else None
+def update(sched: Scheduler, out, sampled: dict) -> list[Request]:
+    """Hand the scheduler a step's sampled tokens; the requests that finished."""
+    return sched.update_from_output(out, StepOutput.of_tokens(sampled)).finished
 
 
 def make_scheduler(num_blocks=64, block_size=4, caching=False, **sched) -> Scheduler:
     sched.setdefault("max_num_batched_tokens", 64)
     sched.setdefault("max_num_seqs", 8)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
-    return Scheduler(SchedulerConfig(**sched), cache, stop_checker=stop_at_max_tokens)
+    return Scheduler(SchedulerConfig(**sched), cache)
 
 
 def req(rid, prompt, max_tokens=4, **kw) -> Request:
     kw.setdefault("arrival_time", 0.0)
-    return Request(rid, list(prompt), sampling_params=max_tokens, **kw)
+    return Request(rid, list(prompt), sampling_params=SamplingParams(max_tokens=max_tokens), **kw)
 
 
 class FakeEngine:
@@ -82,7 +84,7 @@ class FakeEngine:
         self.outputs.append(out)
         sampled = self.forward(out)
         sampled.update(overrides or {})
-        return out, self.sched.update_from_output(out, sampled)
+        return out, update(self.sched, out, sampled)
 
     def run(self, max_steps=500) -> dict[str, list[int]]:
         done = {}
@@ -235,7 +237,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     out = eng.sched.schedule()
     sampled = eng.forward(out)
     eng.sched.fork_request("p", "c")  # n = 2: the child takes the second sample
-    eng.sched.update_from_output(out, {**sampled, "c": 42})
+    update(eng.sched, out, {**sampled, "c": 42})
     assert eng.sched.block_manager.get_block_ids("c") == eng.sched.block_manager.get_block_ids("p")
     eng.outputs.append(out)
     done = eng.run()
@@ -262,7 +264,7 @@ def test_request_aborted_mid_step_is_skipped_by_update():
     out = eng.sched.schedule()
     eng.forward(out)
     eng.sched.abort_request("a")
-    assert eng.sched.update_from_output(out, {}) == []  # no token needed for it
+    assert update(eng.sched, out, {}) == []  # no token needed for it
     assert eng.sched.block_manager.num_free_blocks == 64
 
 
@@ -404,7 +406,7 @@ def test_random_workloads_finish_with_every_block_free(
                     # A different token than the parent's, so a missed copy-on-write shows.
                     sampled[child.request_id] = (sampled.get(rid, 0) + 1) % VOCAB
                     forced_at[child.request_id] = child.num_tokens
-        for r in sched.update_from_output(out, sampled):
+        for r in update(sched, out, sampled):
             done[r.request_id] = r
         bm = sched.block_manager
         assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
@@ -419,3 +421,45 @@ def test_random_workloads_finish_with_every_block_free(
             toks = r.all_token_ids
             for k in range(r.num_prompt_tokens, len(toks)):
                 assert k == forced_at[rid] or toks[k] == next_token(toks[:k])
+
+
+def _one_step(sched: Scheduler, token: int) -> list:
+    out = sched.schedule()
+    return sched.update_from_output(out, StepOutput.of_tokens({s.request_id: token for s in out.scheduled})).progressed
+
+
+def test_the_scheduler_stops_on_stop_tokens_and_eos_only_after_min_tokens():
+    sched = make_scheduler()
+    params = SamplingParams(max_tokens=10, stop_token_ids=[50], min_tokens=2)
+    sched.add_request(Request("r", [1, 2, 3], sampling_params=params, eos_token_ids=(60,), arrival_time=0.0))
+    assert [p.status for p in _one_step(sched, 50)] == [None]  # before min_tokens: a stop token is just a token
+    (p,) = _one_step(sched, 50)
+    assert p.status == RequestStatus.FINISHED_STOPPED and p.request.stop_reason == 50
+    assert not sched.has_unfinished_requests() and sched.block_manager.num_free_blocks == 64
+    sched.add_request(Request("e", [1, 2, 3], sampling_params=SamplingParams(max_tokens=10), eos_token_ids=(60,)))
+    (p,) = _one_step(sched, 60)
+    assert p.status == RequestStatus.FINISHED_STOPPED and p.request.stop_reason is None
+
+
+def test_ignore_eos_runs_to_max_tokens_and_max_model_len_caps_without_params():
+    sched = make_scheduler(max_model_len=6)
+    sched.add_request(Request("i", [1, 2], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+                              eos_token_ids=(60,)))
+    sched.add_request(Request("n", [1, 2, 3, 4]))  # no SamplingParams: only max_model_len stops it
+    first = _one_step(sched, 60)
+    assert [p.status for p in first] == [None, None]
+    second = {p.request.request_id: p.status for p in _one_step(sched, 60)}
+    assert second == {"i": RequestStatus.FINISHED_LENGTH_CAPPED, "n": RequestStatus.FINISHED_LENGTH_CAPPED}
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_finish_requests_ends_live_requests_and_skips_the_rest():
+    sched = make_scheduler()
+    sched.add_request(req("a", range(5)))
+    sched.add_request(req("b", range(5)))
+    _one_step(sched, 7)
+    done = sched.finish_requests(["a", "gone"], RequestStatus.FINISHED_STOPPED)
+    assert [r.request_id for r in done] == ["a"] and done[0].status == RequestStatus.FINISHED_STOPPED
+    assert list(sched.requests) == ["b"]
+    with pytest.raises(ValueError, match="FINISHED"):
+        sched.finish_requests(["b"], RequestStatus.RUNNING)

@@ -17,14 +17,17 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import infer.backends.torch_native.attention as attention_mod
-from infer.backends.cpu_ref.noise import gumbel_noise as reference_noise
+from infer.primitives.noise import gumbel_noise as reference_noise
 from infer.backends.torch_native import TorchBackend, noise, ranking, sampling
 from infer.backends.torch_native.native import ops as native_ops
 from infer.primitives.spec import CHECKS, PRIMITIVES
 from infer.primitives.types import AttentionMetadata, DenseWeight, SamplingTensors
-from infer.registry import Ops, get_backend
+from infer.dispatch import Ops
+from infer.registry import get_backend
 
 BACKEND = TorchBackend()
+# The primitives as the runtime resolves them: the native fast paths first (declined with torch ops only).
+OPS = Ops(BACKEND, validate=False)
 
 
 @pytest.fixture(autouse=True, params=["native", "torch_ops"])
@@ -48,7 +51,7 @@ def paged_batch(q_lens, seq_lens, hk, d, block_size, dtype=torch.float32, seed=0
         table[b, : n_blocks[b]] = [perm.pop() for _ in range(n_blocks[b])]
         pos_slots = [table[b, p // block_size] * block_size + p % block_size for p in range(seq_len)]
         kv = torch.randn(2, seq_len, hk, d, generator=g).to(dtype)
-        BACKEND.kv_write(kv[0], kv[1], cache, torch.tensor(pos_slots, dtype=torch.int64))
+        OPS.kv_write(kv[0], kv[1], cache, torch.tensor(pos_slots, dtype=torch.int64))
         dense.append(kv)
         slots += pos_slots[seq_len - q_len :]
     meta = AttentionMetadata(
@@ -99,7 +102,7 @@ BATCHES = {
 def test_attention_matches_dense_attention(batch, hk, block_size):
     q_lens, seq_lens = BATCHES[batch]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, hk, 16, block_size)
-    got = BACKEND.attention(q, cache, BACKEND.prepare_metadata(meta), 0.25)
+    got = OPS.attention(q, cache, OPS.prepare_metadata(meta), 0.25)
     torch.testing.assert_close(got.double(), dense_attention(q, dense, q_lens, 0.25), atol=1e-5, rtol=1e-5)
 
 
@@ -107,7 +110,7 @@ def test_attention_matches_dense_attention(batch, hk, block_size):
 def test_attention_sliding_window_sees_only_the_last_w_positions(window):
     q_lens, seq_lens = BATCHES["mixed"]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, 3, 16, 4)
-    got = BACKEND.attention(q, cache, BACKEND.prepare_metadata(meta), 0.25, sliding_window=window)
+    got = OPS.attention(q, cache, OPS.prepare_metadata(meta), 0.25, sliding_window=window)
     want = dense_attention(q, dense, q_lens, 0.25, window=window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -116,7 +119,7 @@ def test_attention_sliding_window_sees_only_the_last_w_positions(window):
 def test_attention_soft_cap_squashes_scores(window):
     q_lens, seq_lens = BATCHES["mixed"]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, 3, 16, 4)
-    got = BACKEND.attention(4 * q, cache, BACKEND.prepare_metadata(meta), 0.25, window, soft_cap=3.0)
+    got = OPS.attention(4 * q, cache, OPS.prepare_metadata(meta), 0.25, window, soft_cap=3.0)
     want = dense_attention(4 * q, dense, q_lens, 0.25, window=window, soft_cap=3.0)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -127,7 +130,7 @@ def test_attention_without_a_prepared_plan_builds_one():
     raw = AttentionMetadata(*(torch.as_tensor(getattr(meta, f)) for f in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")),
                             meta.max_query_len, meta.max_seq_len, meta.block_size)  # fmt: skip
     want = dense_attention(q, dense, q_lens, 0.25)
-    torch.testing.assert_close(BACKEND.attention(q, cache, raw, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(OPS.attention(q, cache, raw, 0.25).double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_in_small_chunks_matches(monkeypatch):
@@ -135,10 +138,10 @@ def test_attention_in_small_chunks_matches(monkeypatch):
     monkeypatch.setattr(attention_mod, "_SCORE_CHUNK", 1)  # one query per score block
     q_lens, seq_lens = BATCHES["mixed"]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, 3, 16, 4)
-    m = BACKEND.prepare_metadata(meta)
+    m = OPS.prepare_metadata(meta)
     want = dense_attention(q, dense, q_lens, 0.25)
-    torch.testing.assert_close(BACKEND.attention(q, cache, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
-    got = BACKEND.attention(q, cache, m, 0.25, soft_cap=2.0).double()
+    torch.testing.assert_close(OPS.attention(q, cache, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+    got = OPS.attention(q, cache, m, 0.25, soft_cap=2.0).double()
     torch.testing.assert_close(got, dense_attention(q, dense, q_lens, 0.25, soft_cap=2.0), atol=1e-5, rtol=1e-5)
 
 
@@ -146,21 +149,21 @@ def test_attention_in_small_chunks_matches(monkeypatch):
 def test_attention_half_precision_keeps_its_dtype(dtype):
     q_lens, seq_lens = BATCHES["mixed"]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, 3, 32, 16, dtype=dtype)
-    got = BACKEND.attention(q, cache, BACKEND.prepare_metadata(meta), 32**-0.5)
+    got = OPS.attention(q, cache, OPS.prepare_metadata(meta), 32**-0.5)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), dense_attention(q, dense, q_lens, 32**-0.5), atol=2e-2, rtol=2e-2)
 
 
 def test_attention_of_an_empty_batch_is_empty():
     q, cache, meta, _ = paged_batch([], [], 2, 8, 16)
-    out = BACKEND.attention(torch.zeros(0, 6, 8), cache, BACKEND.prepare_metadata(meta), 1.0)
+    out = OPS.attention(torch.zeros(0, 6, 8), cache, OPS.prepare_metadata(meta), 1.0)
     assert out.shape == (0, 6, 8)
 
 
 def test_kv_write_scatters_in_place_and_skips_padding():
     cache = BACKEND.allocate_kv_cache(3, 4, 2, 8, "float32")
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    BACKEND.kv_write(k, v, cache, torch.tensor([5, -1, 11]))
+    OPS.kv_write(k, v, cache, torch.tensor([5, -1, 11]))
     assert torch.equal(cache[0, 1, 1], k[0]) and torch.equal(cache[1, 2, 3], v[2])
     assert int((cache != 0).flatten(2).any(-1).sum()) == 4  # K and V of two tokens, nothing for the -1 row
 
@@ -168,7 +171,7 @@ def test_kv_write_scatters_in_place_and_skips_padding():
 # -- row-wise ops ------------------------------------------------------------------
 def test_rms_norm_with_residual_returns_the_rounded_sum():
     x, r, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(32)
-    y, new_residual = BACKEND.rms_norm(x, w.bfloat16(), 1e-5, r)
+    y, new_residual = OPS.rms_norm(x, w.bfloat16(), 1e-5, r)
     s = x.double() + r.double()
     assert torch.equal(new_residual, s.to(torch.bfloat16))
     s = new_residual.double()
@@ -187,7 +190,7 @@ def test_rotary_matches_transformers(neox_style, rot_dim):
     inv_freq = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim)
     freqs = torch.outer(torch.arange(128).float(), inv_freq)
     cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    got_q, got_k = BACKEND.rotary(q.clone(), k.clone(), pos, cache, neox_style)
+    got_q, got_k = OPS.rotary(q.clone(), k.clone(), pos, cache, neox_style)
     if neox_style:
         cos, sin = torch.cat([freqs.cos()] * 2, -1)[pos], torch.cat([freqs.sin()] * 2, -1)[pos]  # [T, R]
         qr, kr = llama_rope(q[..., :rot_dim], k[..., :rot_dim], cos, sin, unsqueeze_dim=1)
@@ -208,7 +211,7 @@ def test_act_and_mul(kind):
         "gelu": 0.5 * a * (1 + torch.erf(a / math.sqrt(2))),
         "gelu_tanh": 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3))),
     }
-    torch.testing.assert_close(BACKEND.act_and_mul(x.float(), kind).double(), acts[kind] * b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(OPS.act_and_mul(x.float(), kind).double(), acts[kind] * b, atol=1e-5, rtol=1e-5)
 
 
 def test_embedding_gathers_rows():
@@ -219,7 +222,7 @@ def test_embedding_gathers_rows():
 def test_linear_goes_through_the_dense_weight():
     w = BACKEND.prepare_weight(DenseWeight(torch.randn(5, 3), torch.randn(5)))
     x = torch.randn(2, 3)
-    torch.testing.assert_close(BACKEND.linear(x, w), x @ w.weight.T + w.bias)
+    torch.testing.assert_close(OPS.linear(x, w), x @ w.weight.T + w.bias)
 
 
 # -- moe ---------------------------------------------------------------------------
@@ -400,9 +403,9 @@ def test_attention_over_blocks_in_cache_order(q_len, seq_len):
     table = meta.block_table.copy()
     table[0, :n] = np.arange(1, n + 1)
     want = dense_attention(q, dense, [q_len], 0.25)
-    m = BACKEND.prepare_metadata(AttentionMetadata(meta.query_start_loc, meta.seq_lens, table, meta.slot_mapping,
+    m = OPS.prepare_metadata(AttentionMetadata(meta.query_start_loc, meta.seq_lens, table, meta.slot_mapping,
                                                    meta.max_query_len, meta.max_seq_len, 4))  # fmt: skip
     for _ in range(2):  # the second call reads the memo of the first
-        torch.testing.assert_close(BACKEND.attention(q, ordered, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
-    m.block_table = BACKEND.prepare_metadata(meta).block_table  # the scattered table, same plan
-    torch.testing.assert_close(BACKEND.attention(q, cache, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(OPS.attention(q, ordered, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+    m.block_table = OPS.prepare_metadata(meta).block_table  # the scattered table, same plan
+    torch.testing.assert_close(OPS.attention(q, cache, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)

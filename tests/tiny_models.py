@@ -61,7 +61,7 @@ def assert_logits_match_through_chunks(model, runner, backend, vocab_size: int) 
     for chunks, ids in steps:
         positions = np.concatenate([np.arange(c, c + q) for c, q in chunks])
         logits = runner.forward(backend.asarray(ids), backend.asarray(positions), backend.asarray(np.arange(len(ids))),
-                                backend.prepare_metadata(meta_for(chunks, bs, tables)))
+                                runner.prepare_metadata(meta_for(chunks, bs, tables))).logits
         got.append(backend.to_numpy(logits))
     with torch.no_grad():
         full0 = model(torch.from_numpy(prompts[0])[None]).logits[0].numpy()

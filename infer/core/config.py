@@ -10,12 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from ..primitives.types import FLOAT_DTYPES
 
-# vLLM's CPU backend reserves 4 GiB for the KV cache unless told otherwise
-# (VLLM_CPU_KVCACHE_SPACE=4); we use the same default on every device.
-DEFAULT_KV_CACHE_MEMORY_BYTES = 4 << 30
-CACHE_DTYPES = ("auto", *FLOAT_DTYPES, "fp8")
 POLICIES = ("fcfs", "priority")
 
 
@@ -37,8 +32,9 @@ class CacheConfig:
                            num_gpu_blocks_override). Wins over the bytes below.
     kv_cache_memory_bytes  size of the pool in bytes, all layers together; the
                            engine turns it into blocks from the model's
-                           per-token KV footprint. Neither set: 4 GiB.
-    cache_dtype            'auto' (the model's dtype), a float dtype, or 'fp8'.
+                           per-token KV footprint. One of the two must be
+                           set (the engine's default budget is its own:
+                           `EngineArgs.kv_cache_memory`).
     enable_prefix_caching  reuse the KV of full blocks whose token prefix was
                            already computed (vLLM V1 turns it on by default).
     """
@@ -46,7 +42,6 @@ class CacheConfig:
     block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
-    cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -58,8 +53,6 @@ class CacheConfig:
                 "CacheConfig: set num_blocks or kv_cache_memory_bytes, not both "
                 f"(got {self.num_blocks} blocks and {self.kv_cache_memory_bytes} bytes)"
             )
-        if self.cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"CacheConfig.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
 
     @property
     def is_resolved(self) -> bool:
@@ -76,13 +69,13 @@ class CacheConfig:
         _positive("preferred_block_size", block_size, allow_none=False)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            if kv_bytes_per_token is None:
+            if kv_bytes_per_token is None or self.kv_cache_memory_bytes is None:
                 raise ValueError(
-                    "CacheConfig.resolve: the pool is given in bytes, so pass kv_bytes_per_token "
-                    "(or set CacheConfig.num_blocks)"
+                    "CacheConfig.resolve: set CacheConfig.num_blocks, or kv_cache_memory_bytes and pass "
+                    "kv_bytes_per_token"
                 )
             _positive("kv_bytes_per_token", kv_bytes_per_token, allow_none=False)
-            budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            budget = self.kv_cache_memory_bytes
             num_blocks = budget // (kv_bytes_per_token * block_size)
             if num_blocks == 0:
                 raise ValueError(

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..registry import Ops, get_backend, registry
+from ..dispatch import DispatchTrace, Ops
+from ..registry import get_backend, registry
 from ..primitives.types import AttentionMetadata
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
 from .loader import load_model
@@ -21,11 +22,12 @@ from .memory import trim_heap
 from .model_runner import ModelRunner
 from .quant_params import QUANTIZATIONS
 from .outputs import RequestOutput
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, SeqId
 from .request_state import CompletionState, RequestState
 from .sampling_batch import build_sampling_tensors
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput, StepOutput, StepResult
 from .detokenizer import IncrementalDetokenizer
 
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
@@ -66,6 +68,8 @@ class EngineArgs:
     enforce_eager: bool = False
     # Decode batch sizes to capture; None: 1, 2, 4, every multiple of 8, up to max_num_seqs.
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
+    trace_dispatch: bool = False
 
 
 class LLMEngine:
@@ -74,7 +78,9 @@ class LLMEngine:
         _check_args(a)
         self.args = a
         self.backend = get_backend(a.backend, device=a.device)
-        self.ops = Ops(self.backend)
+        self.dispatch_trace = DispatchTrace() if a.trace_dispatch else None
+        self.ops = Ops(self.backend, trace=self.dispatch_trace)
+        self._sample = self.ops.bind("sample", "sampler")
         reg = registry()
         m = load_model(a.model, load_weights=False, load_tokenizer=not a.skip_tokenizer_init,
                        supported_architectures=reg.models)
@@ -82,7 +88,7 @@ class LLMEngine:
         self.generation_config = m.generation_config
         self.dtype = self._resolve_dtype(a.dtype, str(m.dtype))
         graph = reg.models[m.architecture](m.config)
-        program = lower(graph, fuses=lambda op, attrs: bool(self.backend.fuses(op, **attrs)))
+        program = lower(graph, fuses=lambda op, attrs: bool(self.ops.fuses(op, **attrs)))
         model_len = graph.config.max_position_embeddings
         if a.max_model_len is not None and a.max_model_len > model_len:
             raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
@@ -108,7 +114,7 @@ class LLMEngine:
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy,
         )
-        self.scheduler = Scheduler(sched, cache, stop_checker=self._on_token)
+        self.scheduler = Scheduler(sched, cache)
         self.runner.allocate_kv_caches(cache.num_blocks, cache.block_size)
         self.decode_graphs = None if a.enforce_eager else self._capture_decode(a, cache.block_size)
         eos = self.generation_config.get("eos_token_id", graph.config.eos_token_ids)
@@ -116,8 +122,9 @@ class LLMEngine:
         self.vocab_size = graph.config.vocab_size
         self._rng = np.random.default_rng(a.seed)
         self._states: dict[str, RequestState] = {}
-        self._completions: dict[str, CompletionState] = {}  # scheduler request id -> completion
-        self._pending: dict[str, tuple] = {}  # request id -> this step's (logprob, top ids, top logprobs)
+        self._completions: dict[SeqId, CompletionState] = {}
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        self._decode_token = (lambda t: decode([t])) if decode is not None else (lambda t: None)
 
     # -- set-up helpers ---------------------------------------------------------
     def _resolve_dtype(self, dtype: str, loaded: str) -> str:
@@ -163,9 +170,9 @@ class LLMEngine:
         meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
                                  np.arange(blocks, dtype=np.int32)[None], np.arange(n, dtype=np.int64), n, n, block_size)
         self.runner.forward(be.asarray(np.zeros(n, np.int64)), be.asarray(np.arange(n, dtype=np.int64)),
-                            be.asarray(np.array([n - 1], np.int64)), self.ops.prepare_metadata(meta))
+                            be.asarray(np.array([n - 1], np.int64)), self.runner.prepare_metadata(meta))
         be.synchronize()
-        self.runner.kv_caches = []
+        self.runner.release_kv_caches()
         return be.memory_info()[1]
 
     def _capture_decode(self, a: EngineArgs, block_size: int):
@@ -183,8 +190,8 @@ class LLMEngine:
         log = logging.getLogger("infer")
         start = time.perf_counter()
         try:
-            graphs = self.backend.decode_graphs(self.runner, max_model_len=self.max_model_len, block_size=block_size,
-                                                batch_sizes=sizes, progress=progress)
+            graphs = self.ops.decode_graphs(self.runner.forward, max_model_len=self.max_model_len,
+                                            block_size=block_size, batch_sizes=sizes, progress=progress)
         except Exception as exc:  # noqa: BLE001  (any capture failure leaves eager decode working)
             log.warning("backend '%s' failed to capture decode graphs (%s: %s); every step runs eagerly "
                         "(--enforce-eager skips the attempt)", self.backend.name, type(exc).__name__, exc)
@@ -226,7 +233,8 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
-        req = Request(f"{request_id}#0", ids, params, state.arrival_time, priority, cache_salt)
+        req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
+                      eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._states[request_id] = state
         self._track(state, req, 0)
@@ -250,7 +258,7 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None and p.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.skip_special_tokens)
-        comp = CompletionState(index, req, p, seed, self.eos_token_ids, detok)
+        comp = CompletionState(index, req, p, seed, detok)
         state.completions.append(comp)
         self._completions[req.request_id] = comp
 
@@ -270,10 +278,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return outputs of requests that progressed."""
         out = self.scheduler.schedule()
-        touched = {rid.rsplit("#", 1)[0] for rid in out.finished_request_ids}
+        touched = {rid.request_id for rid in out.finished_request_ids}
         if not out.is_empty:
-            self._run(out)
-            touched |= {s.request_id.rsplit("#", 1)[0] for s in out.scheduled}
+            self._process(*self._run(out))
+            touched |= {s.request_id.request_id for s in out.scheduled}
         results = []
         for rid in touched:
             state = self._states.get(rid)
@@ -286,7 +294,8 @@ class LLMEngine:
                     self._completions.pop(c.request.request_id, None)
         return results
 
-    def _run(self, out) -> None:
+    def _run(self, out: SchedulerOutput) -> tuple[StepOutput, StepResult]:
+        """The forward pass and sampling of one scheduled step, handed to the scheduler."""
         be = self.backend
         if out.block_copies:
             src, dst = (np.array(x, dtype=np.int64) for x in zip(*out.block_copies))
@@ -295,56 +304,51 @@ class LLMEngine:
         mi = out.model_input()
         graphs, meta = self.decode_graphs, mi.attn_metadata
         if graphs is not None and graphs.can_replay(meta):
-            logits = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's
+            forward = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's logits
+            logits = forward.logits
             if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
                 logits = logits[be.asarray(mi.logits_indices)]
         else:
-            logits = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions),
-                                         be.asarray(mi.logits_indices), self.ops.prepare_metadata(meta))
+            forward = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions),
+                                          be.asarray(mi.logits_indices), self.runner.prepare_metadata(meta))
+            logits = forward.logits
         if self.expert_load is not None:
-            self.expert_load.record(self.runner.expert_counts)
+            self.expert_load.record(forward.expert_counts)
         rows, comps = [], []
         for row, rid in enumerate(mi.sample_request_ids):
             comp = self._completions[rid]
             rows.append(row)
             comps.append(comp)
-            state = self._states[rid.rsplit("#", 1)[0]]
+            state = self._states[rid.request_id]
             # n > 1: the children fork when the prompt is computed, sharing its
             # blocks copy-on-write, and each samples its own token from this row.
             while state.pending_forks and comp.index == 0 and comp.request.num_output_tokens == 0:
                 index = len(state.completions)
-                child = self.scheduler.fork_request(rid, f"{state.request_id}#{index}")
+                child = self.scheduler.fork_request(rid, SeqId(state.request_id, index))
                 state.pending_forks -= 1
                 self._track(state, child, index)
                 rows.append(row)
                 comps.append(state.completions[-1])
         if not comps:
-            self.scheduler.update_from_output(out, {})
-            return
+            step = StepOutput([], np.zeros(0, np.int64), np.zeros(0, np.float32))
+            return step, self.scheduler.update_from_output(out, step)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[be.asarray(np.array(rows, dtype=np.int64))]
         params = be.prepare_sampling(build_sampling_tensors(comps))
-        sampled = self.ops.sample(logits, params)
-        tokens = be.to_numpy(sampled.token_ids)
-        lps = be.to_numpy(sampled.logprobs)
-        top_ids = be.to_numpy(sampled.top_token_ids) if sampled.top_token_ids is not None else None
-        top_lps = be.to_numpy(sampled.top_logprobs) if sampled.top_logprobs is not None else None
-        ranks = be.to_numpy(sampled.ranks) if sampled.ranks is not None else None
-        for i, comp in enumerate(comps):
-            self._pending[comp.request.request_id] = (float(lps[i]), int(ranks[i]) if ranks is not None else None,
-                                                      top_ids[i] if top_ids is not None else (),
-                                                      top_lps[i] if top_lps is not None else ())
-        self.scheduler.update_from_output(out, {c.request.request_id: int(t) for c, t in zip(comps, tokens)})
-        self._pending.clear()  # entries of requests aborted since schedule() were never consumed
+        sampled = self._sample(logits, params)
+        host = (lambda x: be.to_numpy(x) if x is not None else None)
+        step = StepOutput([c.request.request_id for c in comps], host(sampled.token_ids), host(sampled.logprobs),
+                          host(sampled.ranks), host(sampled.top_token_ids), host(sampled.top_logprobs))
+        return step, self.scheduler.update_from_output(out, step)
 
-    def _on_token(self, req: Request) -> RequestStatus | None:
-        """The scheduler's stop checker: runs once per sampled token."""
-        comp = self._completions[req.request_id]
-        lp, rank, top_ids, top_lps = self._pending.pop(req.request_id)
-        token = req.output_token_ids[-1]
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        comp.record_logprobs(token, lp, rank, top_ids, top_lps, decode)
-        return comp.on_token()
+    def _process(self, step: StepOutput, result: StepResult) -> None:
+        """Per new token: logprobs and text; a stop string found in the text ends its request."""
+        stopped = []
+        for p in result.progressed:
+            if self._completions[p.request.request_id].on_token(step, p.row, self._decode_token) and p.status is None:
+                stopped.append(p.request.request_id)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
 
     def _output(self, state: RequestState) -> RequestOutput:
         finished = state.finished

@@ -10,23 +10,23 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..primitives.spec import PRIMITIVES
+from ..primitives.binding import SIGNATURES, arguments, dispatch_key, value_args
+from ..primitives.context import ForwardOutput, LayerContext
 from ..primitives.types import AttentionMetadata, DenseWeight, WeightHandle
 from . import quant_params
-from .lowering import Call, Program
+from .lowering import VIEW_OPS, Call, Program
 from .rope import cos_sin_cache
-
-
-_PRIMITIVE_SET = frozenset(PRIMITIVES)
 
 
 class ModelRunner:
     def __init__(self, program: Program, backend, ops, weights: Mapping[str, np.ndarray], dtype: str,
                  max_positions: int, progress: Callable[[Iterable], Iterable] = iter, quantization: str = "auto",
                  kv_cache_dtype: str = "auto"):
-        """`ops` validates arguments (Ops(backend)); the first forward runs
-        through it, later ones through an unchecked twin, since the program's
-        shapes do not change between steps.
+        """`ops` (`infer.dispatch.Ops`) decides what serves each call and
+        validates arguments; the first forward runs through it, later ones
+        through an unchecked twin, since the program's shapes do not change
+        between steps. The program is bound to its KV caches by
+        `allocate_kv_caches`, which must come before `forward`.
 
         Quantized weights arrive as `WeightHandle`s in `weights` and stay
         quantized; ``quantization="fp8"`` quantizes the dense weights of the
@@ -48,17 +48,20 @@ class ModelRunner:
         self.config = program.graph.config
         self.tensors: dict[str, Any] = {}
         self._handles: dict[tuple, DenseWeight] = {}
-        self._rope: dict[int, Any] = {}
         self.max_positions = max_positions
+        # One cos/sin table per rotary dim the program uses, shared by every layer.
+        dims = {c.attrs["rotary_dim"] for c in program.primitive_calls() if c.primitive == "rotary"}
+        self._rope = {d: backend.asarray(cos_sin_cache(self.config.raw, d, max_positions)) for d in sorted(dims)}
         self.kv_caches: list[Any] = []
-        # MoE layer -> tokens routed to each expert in the last forward (backend
-        # int64 [E]); the engine's ExpertLoad accumulates them.
-        self.expert_counts: dict[int, Any] = {}
+        self.contexts: list[LayerContext] = []
+        self._node_ops = {n.name: n.op for n in program.graph.nodes}
         self._load_params(weights, progress)
-        fast = type(ops)(backend, validate=False)
-        self._checked_steps = [self._bind(c, ops) for c in program.calls]
-        self._steps = [self._bind(c, fast) for c in program.calls]
-        self._dead = program.dead_after()
+        # Each MoE layer's tokens-per-expert value: forward returns it (ForwardOutput.expert_counts).
+        self._count_outputs = tuple((c.layer, c.outputs[1]) for c in program.primitive_calls() if c.primitive == "moe")
+        self._dead = program.dead_after(("logits", *(name for _, name in self._count_outputs)))
+        self.attention_key: dict[str, Any] = {}  # the dispatch key of the attention calls (set when bound)
+        self._steps: list[Callable[[dict], None]] = []
+        self._checked_steps: list[Callable[[dict], None]] = []
         self._validated = False
 
     # -- binding --------------------------------------------------------------
@@ -162,26 +165,31 @@ class ModelRunner:
             self._handles[key] = self.ops.prepare_weight(w)
         return self._handles[key]
 
-    def rope_cache(self, rotary_dim: int):
-        if rotary_dim not in self._rope:
-            table = cos_sin_cache(self.config.raw, rotary_dim, self.max_positions)
-            self._rope[rotary_dim] = self.backend.asarray(table)
-        return self._rope[rotary_dim]
-
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
+        """Allocate every layer's cache and bind the program to them (see `LayerContext`)."""
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        layers = range(self.program.graph.num_layers)
         if self.kv_cache_dtype != "fp8":
-            self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in range(self.program.graph.num_layers)]
-            return
-        # fp8: uint8 codes in the layout of the backend that writes them (maybe a
-        # fallback), placed by this backend, which owns the device.
-        owner = self.ops.provider("kv_write", dtype=self.dtype, kv_cache_dtype="fp8")
-        if owner is self.backend:
-            self.kv_caches = [owner.allocate_kv_cache(*shape, "fp8") for _ in range(self.program.graph.num_layers)]
+            self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in layers]
         else:
-            self.kv_caches = [self.backend.asarray(np.zeros(owner.kv_cache_shape(*shape), np.uint8))
-                              for _ in range(self.program.graph.num_layers)]
+            # fp8: uint8 codes in the layout of the backend that writes them (maybe a
+            # fallback), placed by this backend, which owns the device.
+            owner = self.ops.provider("kv_write", dtype=self.dtype, kv_cache_dtype="fp8")
+            if owner is self.backend:
+                self.kv_caches = [owner.allocate_kv_cache(*shape, "fp8") for _ in layers]
+            else:
+                self.kv_caches = [self.backend.asarray(np.zeros(owner.kv_cache_shape(*shape), np.uint8)) for _ in layers]
+        fp8 = self.kv_cache_dtype == "fp8"
+        self.contexts = [LayerContext(i, cache, self.kv_cache_dtype, self.kv_scales[i] if fp8 else None, self._rope)
+                         for i, cache in enumerate(self.kv_caches)]
+        fast = self.ops.unchecked()
+        self._checked_steps = [self._bind(c, self.ops) for c in self.program.calls]
+        self._steps = [self._bind(c, fast) for c in self.program.calls]
+        self._validated = False
+
+    def release_kv_caches(self) -> None:
+        self.kv_caches, self.contexts, self._steps, self._checked_steps = [], [], [], []
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
@@ -189,117 +197,130 @@ class ModelRunner:
         return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize * self.program.graph.num_layers
 
     def _bind(self, c: Call, ops) -> Callable[[dict], None]:
-        ins, outs, a = c.inputs, c.outputs, c.attrs
-        kind = c.primitive
-        static = {"dtype": self.dtype}
-        if kind == "linear":
-            handle = self._linear_weight(c)
-            static["weight_kind"] = handle.kind
-        elif kind == "embedding" and isinstance(self.tensors[c.params["table"]], WeightHandle):
-            static["weight_kind"] = self.tensors[c.params["table"]].kind
-        elif kind == "moe" and len(ins) > 2:
-            static["shared_expert"] = True
-        elif kind == "attention":
-            static.update(head_dim=self.config.head_dim, sliding_window=a["sliding_window"] is not None,
-                          soft_cap=a["soft_cap"] is not None)
-        fp8_kv = kind in ("kv_write", "attention") and self.kv_cache_dtype == "fp8"
-        if fp8_kv:
-            static["kv_cache_dtype"] = "fp8"
-        fn = ops.resolve(kind, **static)[0] if kind in _PRIMITIVE_SET else None
-        if kind == "embedding":
-            table = self.tensors[c.params["table"]]
-            def run(env):
-                env[outs[0]] = fn(env[ins[0]], table)
-        elif kind == "rms_norm":
-            w, eps = self.tensors[c.params["weight"]], a["eps"]
-            if len(ins) == 2:
-                def run(env):
-                    env[outs[0]], env[outs[1]] = fn(env[ins[0]], w, eps, residual=env[ins[1]])
-            else:
-                def run(env):
-                    x = env[ins[0]]
-                    env[outs[0]] = fn(x, w, eps)
-                    if len(outs) == 2:  # this norm starts the residual stream
-                        env[outs[1]] = x
-        elif kind == "linear":
-            def run(env):
-                env[outs[0]] = fn(env[ins[0]], handle)
-        elif kind == "split":
-            bounds = [int(b) for b in np.cumsum((0,) + tuple(a["sizes"]))]
-            pieces = tuple((o, slice(lo, hi)) for o, lo, hi in zip(outs, bounds[:-1], bounds[1:]))
-            def run(env):
-                x = env[ins[0]]
-                for o, cols in pieces:
-                    env[o] = x[:, cols]
-        elif kind == "reshape":
-            shape = a["shape"]
-            def run(env):
-                env[outs[0]] = env[ins[0]].reshape(shape)
-        elif kind == "rows":
-            def run(env):
-                env[outs[0]] = env[ins[0]][env[ins[1]]]
-        elif kind == "rotary":
-            cache, neox = self.rope_cache(a["rotary_dim"]), a["neox_style"]
-            def run(env):
-                env[outs[0]], env[outs[1]] = fn(env[ins[0]], env[ins[1]], env[ins[2]], cache, neox)
-        elif kind == "act_and_mul":
-            act = a["kind"]
-            def run(env):
-                env[outs[0]] = fn(env[ins[0]], act)
-        elif kind == "kv_write":
-            layer = c.layer
-            scales = self.kv_scales[layer] if fp8_kv else None
-            def run(env):
-                meta = env["meta"]
-                fn(env[ins[0]], env[ins[1]], self.kv_caches[layer], meta.slot_mapping, scales)
-        elif kind == "attention":
-            layer, scale, window, cap = c.layer, a["scale"], a["sliding_window"], a["soft_cap"]
-            extra = {"kv_scales": self.kv_scales[layer]} if fp8_kv else {}  # backends without fp8 never see it
-            def run(env):
-                env[outs[0]] = fn(env[ins[0]], self.kv_caches[layer], env["meta"], scale, window, cap, **extra)
-        elif kind == "moe":
-            w13, w2 = self.tensors[c.params["w13"]], self.tensors[c.params["w2"]]
-            top_k, renorm, layer = a["top_k"], a["renormalize"], c.layer
-            def run(env):
-                x, logits, *shared = (env[i] for i in ins)
-                env[outs[0]], env[outs[1]] = fn(x, logits, w13, w2, top_k, renorm, *shared)
-                self.expert_counts[layer] = env[outs[1]]
-        elif kind.startswith("fused_"):
-            fn = getattr(self.backend, kind)
-            params = {role: self.tensors[name] for role, name in c.params.items()}
-            for e in c.expansion:  # a linear's weight role gets the prepared handle `linear` reads
-                if e.primitive == "linear":
-                    role = next(r for r, name in c.params.items() if name == e.params["weight"])
-                    params[role] = self._linear_weight(e)
-            # What runs when the backend declines this step (NotImplemented); its temporaries go after.
-            expansion = [self._bind(e, ops) for e in c.expansion]
-            temporaries = tuple({o for e in c.expansion for o in e.outputs} - set(outs))
-            layer = c.layer
-            def run(env):
-                result = fn(*(env[i] for i in ins), params=params, attrs=a, env=env, runner=self, layer=layer)
-                if result is NotImplemented:
-                    if not expansion:
-                        raise RuntimeError(f"backend '{self.backend.name}' declined {kind} of {c.node}, "
-                                           "which has no expansion")
-                    for step in expansion:
-                        step(env)
-                    for name in temporaries:
-                        env.pop(name, None)
-                    return
-                for o, r in zip(outs, result if len(outs) > 1 else (result,)):
+        if c.primitive in VIEW_OPS:
+            return _bind_view(c)
+        if c.primitive.startswith("fused_"):
+            return self._bind_fused(c, ops)
+        return self._bind_primitive(c, ops)
+
+    def _bind_primitive(self, c: Call, ops) -> Callable[[dict], None]:
+        """One primitive call: its arguments gathered by `SIGNATURES` (the table
+        the conformance harness calls through too), its implementation bound once."""
+        prim, ctx = c.primitive, self.contexts[c.layer] if c.layer is not None else None
+        values = dict(zip(value_args(prim), c.inputs))
+        named: dict[str, Any] = {}
+        for arg in SIGNATURES[prim]:
+            if arg.source == "weight" and arg.name in c.params:
+                named[arg.name] = self._linear_weight(c) if prim == "linear" else self.tensors[c.params[arg.name]]
+            elif arg.source == "attr" and arg.name in c.attrs:
+                named[arg.name] = c.attrs[arg.name]
+            elif arg.source == "layer":
+                named[arg.name] = ctx.argument(arg.name, c.attrs)
+            elif arg.source == "step":
+                values[arg.name] = arg.name  # the forward puts meta and slot_mapping in env
+        key = dispatch_key(prim, dtype=self.dtype, named={**named, **values}, kv_cache_dtype=self.kv_cache_dtype,
+                           head_dim=self.config.head_dim)
+        if prim == "attention":
+            self.attention_key = key
+        fn = ops.bind(prim, self._node_ops[c.node], **key)
+        args = arguments(prim, {**named, **{k: _Slot(v) for k, v in values.items()}})
+        slots = tuple((i, a.name) for i, a in enumerate(args) if isinstance(a, _Slot))
+        template = [None if isinstance(a, _Slot) else a for a in args]
+        outs = c.outputs
+        starts_residual = prim == "rms_norm" and len(c.inputs) == 1 and len(outs) == 2
+
+        def run(env):
+            args = template.copy()
+            for i, name in slots:
+                args[i] = env[name]
+            result = fn(*args)
+            if starts_residual:  # this norm starts the residual stream: its input is the residual
+                env[outs[0]], env[outs[1]] = result, args[0]
+            elif len(outs) == 1:
+                env[outs[0]] = result
+            elif outs:
+                for o, r in zip(outs, result):
                     env[o] = r
-        else:
-            raise ValueError(f"cannot execute {kind!r} (call of {c.node})")
+
+        return run
+
+    def _bind_fused(self, c: Call, ops) -> Callable[[dict], None]:
+        op = c.primitive.removeprefix("fused_")
+        params = {role: self.tensors[name] for role, name in c.params.items()}
+        for e in c.expansion:  # a linear's weight role gets the prepared handle `linear` reads
+            if e.primitive == "linear":
+                role = next(r for r, name in c.params.items() if name == e.params["weight"])
+                params[role] = self._linear_weight(e)
+        # What runs when the backend declines this step (NotImplemented); its temporaries go after.
+        expansion = [self._bind(e, ops) for e in c.expansion]
+        temporaries = tuple({o for e in c.expansion for o in e.outputs} - set(c.outputs))
+        ins, outs, attrs, ctx = c.inputs, c.outputs, c.attrs, self.contexts[c.layer]
+        fn = ops.fused(op, self._node_ops[c.node])
+
+        def run(env):
+            result = fn(*(env[i] for i in ins), params=params, attrs=attrs, ctx=ctx, meta=env["meta"])
+            if result is NotImplemented:
+                if not expansion:
+                    raise RuntimeError(f"backend '{self.backend.name}' declined {c.primitive} of {c.node}, "
+                                       "which has no expansion")
+                for step in expansion:
+                    step(env)
+                for name in temporaries:
+                    env.pop(name, None)
+                return
+            for o, r in zip(outs, result if len(outs) > 1 else (result,)):
+                env[o] = r
+
         return run
 
     # -- execution ------------------------------------------------------------
-    def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata):
-        """Logits [S, vocab] (float32) of the rows in `sample_rows`; all inputs on the device."""
-        env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta}
+    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """A step's host metadata on the device, with the plan of the backend that serves this model's attention."""
+        return self.ops.prepare_metadata(meta, **self.attention_key)
+
+    def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata) -> ForwardOutput:
+        """Logits [S, vocab] (float32) of the rows in `sample_rows`, and each MoE
+        layer's tokens per expert; all inputs on the device."""
+        if not self._steps:
+            raise RuntimeError("ModelRunner.forward before allocate_kv_caches")
+        env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta,
+               "slot_mapping": meta.slot_mapping}
         steps = self._steps if self._validated else self._checked_steps
         for step, dead in zip(steps, self._dead):
             step(env)
             for name in dead:
                 del env[name]
         self._validated = True
-        return self.backend.cast(env["logits"], "float32")
+        return ForwardOutput(self.backend.cast(env["logits"], "float32"),
+                             {layer: env[name] for layer, name in self._count_outputs})
+
+
+class _Slot:
+    """A value argument's place in a bound call: filled from the step's env by name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _bind_view(c: Call) -> Callable[[dict], None]:
+    """split / reshape / rows: views every tensor type has (see `lowering.VIEW_OPS`)."""
+    ins, outs, a = c.inputs, c.outputs, c.attrs
+    if c.primitive == "split":
+        bounds = [int(b) for b in np.cumsum((0,) + tuple(a["sizes"]))]
+        pieces = tuple((o, slice(lo, hi)) for o, lo, hi in zip(outs, bounds[:-1], bounds[1:]))
+
+        def run(env):
+            x = env[ins[0]]
+            for o, cols in pieces:
+                env[o] = x[:, cols]
+    elif c.primitive == "reshape":
+        shape = a["shape"]
+
+        def run(env):
+            env[outs[0]] = env[ins[0]].reshape(shape)
+    else:
+        def run(env):
+            env[outs[0]] = env[ins[0]][env[ins[1]]]
+    return run

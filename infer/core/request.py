@@ -5,7 +5,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Hashable, NamedTuple
+
+from .sampling_params import SamplingParams
+
+# A request's key in the scheduler and the block manager: any hashable (the
+# engine uses `SeqId`, tests plain strings). Never parsed.
+RequestId = Hashable
+
+
+class SeqId(NamedTuple):
+    """The engine's scheduler id of one of a user request's `n` completions."""
+
+    request_id: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.request_id}[{self.index}]"
 
 
 class RequestStatus(enum.IntEnum):
@@ -44,7 +60,10 @@ class Request:
 
     request_id           unique among live requests.
     prompt_token_ids     the prompt; never empty.
-    sampling_params      the engine's sampling parameters; opaque to the core.
+    sampling_params      the request's `SamplingParams`: the scheduler stops it on
+                         its stop tokens, EOS (after min_tokens) and max_tokens;
+                         None: only max_model_len stops it.
+    eos_token_ids        the model's end-of-sequence tokens (the engine sets them).
     arrival_time         seconds (time.time() by default); orders fcfs and
                          breaks priority ties.
     priority             lower is served first under the 'priority' policy.
@@ -57,16 +76,18 @@ class Request:
                          `all_token_ids`, filled lazily by the block manager.
     """
 
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
-    sampling_params: Any = None
+    sampling_params: SamplingParams | None = None
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id (or, set by the engine, stop string) that ended it
     all_token_ids: list[int] = field(init=False, repr=False)
     block_hashes: list[bytes] = field(init=False, repr=False)
 
@@ -102,7 +123,23 @@ class Request:
         self.output_token_ids.append(int(token_id))
         self.all_token_ids.append(int(token_id))
 
-    def fork(self, request_id: str, sampling_params: Any = None) -> Request:
+    def stop_status(self) -> RequestStatus | None:
+        """FINISHED_* when the newest output token ends the request by its parameters, else None."""
+        p = self.sampling_params
+        if p is None:
+            return None
+        token, n = self.output_token_ids[-1], self.num_output_tokens
+        if n >= p.min_tokens:
+            if token in p.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def fork(self, request_id: RequestId, sampling_params: SamplingParams | None = None) -> Request:
         """A copy under a new id (n > 1 sampling); KV sharing is the block manager's job."""
         child = Request(
             request_id=request_id,
@@ -111,6 +148,7 @@ class Request:
             arrival_time=self.arrival_time,
             priority=self.priority,
             cache_salt=self.cache_salt,
+            eos_token_ids=self.eos_token_ids,
             output_token_ids=self.output_token_ids,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,

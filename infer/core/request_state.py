@@ -1,6 +1,6 @@
 """What the engine keeps per completion beside the scheduler's Request: text,
-logprobs, and the stop conditions that belong to the engine (EOS, stop tokens,
-stop strings, max_tokens)."""
+logprobs, and the one stop condition that needs the text (stop strings; the
+scheduler stops on tokens)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .outputs import CompletionOutput, Logprob
-from .request import Request, RequestStatus
+from .request import Request
 from .sampling_params import SamplingParams
+from .scheduler_output import StepOutput
 
 
 @dataclass
@@ -21,12 +22,11 @@ class CompletionState:
     request: Request
     params: SamplingParams
     seed: int
-    eos_token_ids: tuple[int, ...]
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
-    stop_reason: str | int | None = None
+    stop_string: str | None = None  # the stop string that ended it
     first_token_time: float | None = None
 
     def __post_init__(self):
@@ -37,46 +37,44 @@ class CompletionState:
         """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens."""
         if self.request.num_output_tokens >= self.params.min_tokens:
             return ()
-        return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else self.eos_token_ids)
+        return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else self.request.eos_token_ids)
 
-    def record_logprobs(self, token: int, logprob: float, rank: int | None, top_ids, top_lps, decode) -> None:
+    def _record_logprobs(self, token: int, step: StepOutput, row: int, decode) -> None:
+        logprob = float(step.logprobs[row])
         self.cumulative_logprob += logprob
         if self.logprobs is None:
             return
+        rank = int(step.ranks[row]) if step.ranks is not None else None
         entry = {token: Logprob(logprob, rank, decode(token))}
-        n = self.params.logprobs
-        for i, (tid, lp) in enumerate(zip(top_ids[:n], top_lps[:n]), 1):
-            if int(tid) != token:
-                entry[int(tid)] = Logprob(float(lp), i, decode(int(tid)))
+        if step.top_token_ids is not None:
+            n = self.params.logprobs
+            for i, (tid, lp) in enumerate(zip(step.top_token_ids[row][:n], step.top_logprobs[row][:n]), 1):
+                if int(tid) != token:
+                    entry[int(tid)] = Logprob(float(lp), i, decode(int(tid)))
         self.logprobs.append(entry)
 
-    def on_token(self) -> RequestStatus | None:
-        """Process the request's newest token; a FINISHED_* status when it stops."""
+    def on_token(self, step: StepOutput, row: int, decode) -> bool:
+        """Take the request's newest token (row `row` of `step`): logprobs, text,
+        stop strings. True when a stop string ends the completion here."""
         req, p = self.request, self.params
         token = req.output_token_ids[-1]
         if self.first_token_time is None:
             self.first_token_time = time.time()
-        new_chars = 0
-        if self.detokenizer is not None and p.detokenize:
-            delta = self.detokenizer.add(token)
-            self.text += delta
-            new_chars = len(delta)
-        if req.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids:
-                self.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_strings and new_chars:
-                hit = find_stop(self.text, new_chars, p.stop_strings)
-                if hit is not None:
-                    idx, stop = hit
-                    self.text = self.text[: idx + len(stop)] if p.include_stop_str_in_output else self.text[:idx]
-                    self.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
+        self._record_logprobs(token, step, row, decode)
+        if self.detokenizer is None or not p.detokenize:
+            return False
+        delta = self.detokenizer.add(token)
+        self.text += delta
+        if not (p.stop_strings and delta and req.num_output_tokens >= p.min_tokens):
+            return False
+        # A stop string wins over the token that may have ended the request too (as vLLM).
+        hit = find_stop(self.text, len(delta), p.stop_strings)
+        if hit is None:
+            return False
+        idx, stop = hit
+        self.text = self.text[: idx + len(stop)] if p.include_stop_str_in_output else self.text[:idx]
+        self.stop_string = stop
+        return True
 
     def output(self) -> CompletionOutput:
         req = self.request
@@ -87,8 +85,8 @@ class CompletionState:
             token_ids=token_ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=self.logprobs,
-            finish_reason=req.status.finish_reason,
-            stop_reason=self.stop_reason,
+            finish_reason="stop" if self.stop_string is not None else req.status.finish_reason,
+            stop_reason=self.stop_string if self.stop_string is not None else req.stop_reason,
         )
 
 

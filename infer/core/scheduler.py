@@ -27,9 +27,11 @@ cannot starve. The rank never changes once a request arrived, so the queue
 stays a heap.
 
 The engine drives it: `add_request`, then per step `schedule()`, the forward
-pass on ``output.model_input()``, and `update_from_output` with the sampled
-tokens. Stop conditions (EOS, max_tokens, stop strings) belong to the engine and
-arrive as `stop_checker`; the scheduler itself stops only at `max_model_len`.
+pass on ``output.model_input()``, and `update_from_output` with the step's
+`StepOutput`, which returns a `StepResult`. Token-level stops (EOS, stop
+tokens, max_tokens, from each request's own `SamplingParams`, and
+max_model_len) are the scheduler's; a stop string needs the text, so the
+engine finds it and ends the request with `finish_requests`.
 """
 
 from __future__ import annotations
@@ -37,15 +39,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Iterable
 
 from .block_manager import BlockManager, PrefixCacheStats, cdiv
 from .config import CacheConfig, SchedulerConfig
-from .request import Request, RequestStatus
-from .scheduler_output import ScheduledRequest, SchedulerOutput
-
-# Returns a FINISHED_* status when the request must stop after its latest token.
-StopChecker = Callable[[Request], "RequestStatus | None"]
+from .request import Request, RequestId, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler_output import RequestProgress, ScheduledRequest, SchedulerOutput, StepOutput, StepResult
 
 
 @dataclass(slots=True)
@@ -62,9 +62,7 @@ class SchedulerStats:
 class Scheduler:
     """Continuous-batching scheduler over one BlockManager (see the module doc)."""
 
-    def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, stop_checker: StopChecker | None = None
-    ):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
         if not cache_config.is_resolved:
             raise ValueError(
                 "Scheduler needs a resolved CacheConfig (block_size and num_blocks set): call CacheConfig.resolve"
@@ -85,14 +83,13 @@ class Scheduler:
                 f"but the cache has {cache_config.num_blocks}; lower max_model_len or enlarge the KV cache"
             )
         scheduler_config.check_fits_unchunked(self.max_model_len)
-        self.stop_checker = stop_checker
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[RequestId, Request] = {}
         self.running: list[Request] = []
         # Heap of (rank, arrival_time, add order, request).
         self.waiting: list[tuple[float, float, int, Request]] = []
-        self._add_order: dict[str, int] = {}
+        self._add_order: dict[RequestId, int] = {}
         self._counter = itertools.count()
-        self._finished_ids: list[str] = []
+        self._finished_ids: list[RequestId] = []
         self._last_output: SchedulerOutput | None = None
         self._step_forks: list[ScheduledRequest] = []
         self.num_preemptions = 0
@@ -117,12 +114,13 @@ class Scheduler:
         self._add_order[rid] = next(self._counter)
         self._push_waiting(request)
 
-    def fork_request(self, parent_id: str, child_id: str, sampling_params: Any = None) -> Request:
+    def fork_request(self, parent_id: RequestId, child_id: RequestId,
+                     sampling_params: SamplingParams | None = None) -> Request:
         """A copy of a live request that shares its KV blocks (n > 1 sampling).
 
         Forked between `schedule()` and `update_from_output`, the child mirrors
         the parent's step: it takes its own sampled token from the same logits
-        (pass it under `child_id`). Parent and child then write into shared
+        (a row of the `StepOutput` under `child_id`). Parent and child then write into shared
         blocks only after copy-on-write (see `SchedulerOutput.block_copies`).
         """
         parent = self.requests.get(parent_id)
@@ -145,13 +143,22 @@ class Scheduler:
                 self._step_forks.append(mirror)
         return child
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: RequestId) -> bool:
         """Stop a request and free its blocks; False if it is not live."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return True
+        return bool(self.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED))
+
+    def finish_requests(self, request_ids: Iterable[RequestId], status: RequestStatus) -> list[Request]:
+        """End live requests with a FINISHED_* `status` (an abort, a stop string the
+        engine found) and free their blocks; ids no longer live are skipped."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status!r}")
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, status)
+                done.append(request)
+        return done
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -213,31 +220,37 @@ class Scheduler:
         self._step_forks = []
         return self._last_output
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, step: StepOutput) -> StepResult:
         """Record a computed step: advance requests, append their sampled tokens,
-        finish the ones that stop, cache newly full blocks. Returns the finished."""
+        finish the ones that stop, cache newly full blocks."""
         if output is not self._last_output:
             raise ValueError("update_from_output takes the output of the latest schedule(), once")
         entries = output.scheduled + self._step_forks
+        rows = {rid: i for i, rid in enumerate(step.request_ids)}
         # Requests aborted since schedule() are skipped and need no token.
         live = [s for s in entries if s.request.status == RequestStatus.RUNNING]
-        missing = [s.request_id for s in live if s.do_sample and s.request_id not in sampled_token_ids]
+        missing = [s.request_id for s in live if s.do_sample and s.request_id not in rows]
         if missing:
             raise KeyError(f"no sampled token for requests {missing}, which this step samples")
         self._last_output, self._step_forks = None, []
-        finished = []
+        progressed, finished = [], []
         for s in live:
             req = s.request
             req.num_computed_tokens = s.seq_len
             status = None
             if s.do_sample:
-                req.append_output_token(sampled_token_ids[s.request_id])
-                status = self._check_stop(req)
+                row = rows[s.request_id]
+                req.append_output_token(int(step.token_ids[row]))
+                status = req.stop_status()
+                if status is None and req.num_tokens >= self.max_model_len:
+                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+                progressed.append(RequestProgress(req, row, status))
             self.block_manager.cache_blocks(req)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
-        return finished
+        progressed.sort(key=lambda p: p.row)
+        return StepResult(progressed, finished)
 
     # -- helpers ---------------------------------------------------------------------
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
@@ -268,18 +281,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(req)
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        status = self.stop_checker(req) if self.stop_checker else None
-        if status is not None:
-            if not status.is_finished:
-                raise ValueError(
-                    f"stop_checker returned {status!r} for {req.request_id!r}; expected a FINISHED_* status or None"
-                )
-            return status
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:

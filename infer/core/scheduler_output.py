@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..primitives.types import AttentionMetadata
-from .request import Request
+from .request import Request, RequestId, RequestStatus
 
 
 @dataclass(slots=True)
@@ -27,7 +27,7 @@ class ScheduledRequest:
                 logits of its last row are sampled (False for a partial prefill).
     """
 
-    request_id: str
+    request_id: RequestId
     start: int
     num_tokens: int
     token_ids: list[int]
@@ -58,7 +58,7 @@ class ModelInput:
     positions: np.ndarray
     attn_metadata: AttentionMetadata
     logits_indices: np.ndarray
-    sample_request_ids: list[str]
+    sample_request_ids: list[RequestId]
 
 
 @dataclass(slots=True)
@@ -77,8 +77,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     block_copies: list[tuple[int, int]]
-    preempted_request_ids: list[str]
-    finished_request_ids: list[str]
+    preempted_request_ids: list[RequestId]
+    finished_request_ids: list[RequestId]
     block_size: int
 
     @property
@@ -86,7 +86,7 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
+    def num_scheduled_tokens(self) -> dict[RequestId, int]:
         return {s.request_id: s.num_tokens for s in self.scheduled}
 
     @property
@@ -128,3 +128,52 @@ class SchedulerOutput:
             logits_indices=(query_start_loc[1:][sampled] - 1).astype(np.int64),
             sample_request_ids=[scheduled[b].request_id for b in sampled],
         )
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the model computed in one step: one sampled token per sampling request.
+
+    Row i belongs to ``request_ids[i]``; the arrays are host NumPy.
+
+      token_ids      [S] int64, the sampled tokens.
+      logprobs       [S] float32, each token's raw logprob.
+      ranks          [S] int64 (1-based, among the raw logprobs) or None when no
+                     request asked for top logprobs.
+      top_token_ids  [S, K] int64 and top_logprobs [S, K] float32, or None.
+    """
+
+    request_ids: list[RequestId]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+    @classmethod
+    def of_tokens(cls, tokens: dict[RequestId, int]) -> StepOutput:
+        """Sampled tokens alone (logprobs 0): for drivers without a model, such as tests."""
+        return cls(list(tokens), np.fromiter(tokens.values(), np.int64, len(tokens)), np.zeros(len(tokens), np.float32))
+
+
+@dataclass(slots=True)
+class RequestProgress:
+    """A request that took its sampled token in a step.
+
+    row     its row in the step's `StepOutput`.
+    status  a FINISHED_* status when the scheduler stopped it on this token
+            (EOS, a stop token, max_tokens, max_model_len), else None.
+    """
+
+    request: Request
+    row: int
+    status: RequestStatus | None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What `Scheduler.update_from_output` returns: requests that took a token, in
+    row order, and every request that finished in the step."""
+
+    progressed: list[RequestProgress]
+    finished: list[Request]

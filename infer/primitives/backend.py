@@ -11,17 +11,39 @@ optional-by-monkey-patch: overrides are methods, found by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
 from .spec import PRIMITIVES
-from .types import AttentionMetadata, SamplingTensors, Support, WeightHandle
+from .types import AttentionMetadata, AttentionPlan, SamplingTensors, Support, WeightHandle
 
 # Bumped when a hook, a primitive signature or a Backend member changes
-# incompatibly; a plugin built for another major version is reported
-# unavailable instead of being called with arguments it does not expect.
-PLUGIN_API_VERSION = 1
+# incompatibly; a plugin built for a version outside SUPPORTED_API_VERSIONS is
+# reported unavailable instead of being called with arguments it does not expect.
+# v2: fused nodes receive a `LayerContext` and the step's metadata instead of
+# the runner; `decode_graphs` receives the forward to capture; fast paths are
+# declared (`fast_path`); the attention plan is `AttentionMetadata.plan`.
+# A v1 backend keeps working: its primitives are called as before (v1's
+# `backend_data` is an alias of `plan`); its fused nodes and decode graphs,
+# which v1 handed the runner, are not used (the engine runs the primitives eagerly).
+PLUGIN_API_VERSION = 2
+SUPPORTED_API_VERSIONS = (1, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class FastPath:
+    """A faster implementation of one primitive that may decline a call.
+
+    ``fn`` takes the primitive's exact arguments and returns its result, or
+    ``NotImplemented`` when it cannot serve this call (a shape, a dtype, a
+    layout it has no kernel for); the backend's general implementation then
+    runs. ``name`` labels it in `infer run --trace-dispatch`.
+    """
+
+    name: str
+    fn: Callable[..., Any]
 
 
 class Backend(ABC):
@@ -90,6 +112,15 @@ class Backend(ABC):
         """
         return dtype != "float32"
 
+    def fast_path(self, primitive: str, **kw: Any) -> FastPath | None:
+        """A `FastPath` tried before this backend's `primitive` for the static
+        properties in `kw` (the keys of `supports`), or None (the default).
+
+        Declared here rather than hidden inside the primitive so the resolver
+        can record which implementation served each call.
+        """
+        return None
+
     def fuses(self, node_op: str, **attrs: Any) -> Support:
         """Whether this backend runs a whole graph node (e.g. 'attention') itself.
 
@@ -97,9 +128,12 @@ class Backend(ABC):
         says yes by defining a method named ``fused_<node_op>``. The runner
         calls it with the node's inputs and keywords ``params`` (role -> the
         parameter; a linear's weight role -> its prepared `WeightHandle`),
-        ``attrs``, ``env``, ``runner`` and ``layer``; it returns the node's
-        output, or ``NotImplemented`` to decline one step, which then runs the
-        node's primitives (``Call.expansion``) as if it had not been fused.
+        ``attrs`` (the node's), ``ctx`` (the layer's `LayerContext`) and
+        ``meta`` (the step's `AttentionMetadata`, with this backend's plan when
+        it serves attention); ``params`` is the same dict on every call, so the
+        node may keep what it derives from the weights there. It returns the
+        node's output, or ``NotImplemented`` to decline one step, which then
+        runs the node's primitives (``Call.expansion``) as if it had not been fused.
         """
         if callable(getattr(self, f"fused_{node_op}", None)):
             return Support(True)
@@ -145,10 +179,20 @@ class Backend(ABC):
         if len(src):
             kv_cache[:, self.asarray(np.asarray(dst))] = kv_cache[:, self.asarray(np.asarray(src))]
 
+    def plan_attention(self, meta: AttentionMetadata) -> AttentionPlan | None:
+        """This backend's plan of a step's attention, from the step's host
+        metadata (NumPy arrays: no device sync), or None (the default).
+
+        Asked once per step of the backend that serves `attention`; every
+        layer's call then finds it as ``meta.plan``.
+        """
+        return None
+
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Move a step's host metadata (NumPy arrays) to the device, once per step.
 
-        A backend may also attach a plan to ``backend_data``.
+        Called on the backend the engine runs (it owns the device); the plan
+        comes from the attention provider's `plan_attention`.
         """
         return AttentionMetadata(
             query_start_loc=self.asarray(meta.query_start_loc),
@@ -184,17 +228,19 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (for timing); CPU backends need nothing."""
 
-    def decode_graphs(self, runner, *, max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
+    def decode_graphs(self, forward, *, max_model_len: int, block_size: int, batch_sizes: tuple[int, ...],
                       progress=iter):
-        """A captured decode for `runner`, or None (the default): every step runs eagerly.
+        """A captured decode, or None (the default): every step runs eagerly.
 
-        A backend whose device can record and replay a forward (CUDA graphs)
-        returns an object with ``can_replay(meta) -> bool`` and
-        ``forward(input_ids, positions, meta) -> logits`` (host arrays in, the
-        logits of every row out), having captured a decode step of each
-        batch size in `batch_sizes` with the runner's KV caches, which exist
-        when the engine asks. The engine sends it the decode-only steps that
-        `can_replay` accepts and runs the rest through ``runner.forward``.
-        `progress` wraps the iterable of sizes (a progress bar).
+        `forward(input_ids, positions, sample_rows, meta) -> ForwardOutput` is
+        the model's forward on this backend's tensors (`meta` already prepared),
+        reading the KV caches the engine has allocated when it asks. A backend
+        whose device can record and replay it (CUDA graphs) returns an object
+        with ``can_replay(meta) -> bool`` and ``forward(input_ids, positions,
+        meta) -> ForwardOutput`` (host arrays in; the logits of every row and
+        the step's expert counts out), having captured a decode step of each
+        batch size in `batch_sizes`. The engine sends it the decode-only steps
+        that `can_replay` accepts and runs the rest eagerly. `progress` wraps
+        the iterable of sizes (a progress bar).
         """
         return None

@@ -34,6 +34,21 @@ class Support:
         return self.ok
 
 
+class AttentionPlan:
+    """Base of a backend's per-step attention plan (tiles, host-side groupings, device copies).
+
+    The backend that serves `attention` builds one in `Backend.prepare_metadata`,
+    from the step's host arrays, once per step; every layer's `attention` call
+    then receives it as ``meta.plan``. The core never reads it. A backend
+    subclasses this with its own fields; its attention may rely on finding its
+    own plan there whenever the metadata went through its `prepare_metadata`
+    (the runtime and the conformance harness always do that), and on None when
+    a caller built the metadata by hand.
+    """
+
+    __slots__ = ()
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention metadata, built once per step and shared by every layer.
@@ -56,8 +71,8 @@ class AttentionMetadata:
       max_query_len    int, max of q_len (0 for an empty batch).
       max_seq_len      int, max of seq_lens (0 for an empty batch).
       block_size       int, tokens per KV block.
-      backend_data     anything a backend attaches in `prepare_metadata`
-                       (a tile plan, device copies, ...); the core never reads it.
+      plan             the attention provider's `AttentionPlan` for this step,
+                       or None (see `AttentionPlan`).
     """
 
     query_start_loc: Any
@@ -67,7 +82,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    backend_data: Any = None
+    plan: AttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +91,15 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    # Contract v1 called the plan `backend_data`; v1 plugins still read and set it.
+    @property
+    def backend_data(self) -> Any:
+        return self.plan
+
+    @backend_data.setter
+    def backend_data(self, value: Any) -> None:
+        self.plan = value
 
 
 @dataclass(slots=True)
@@ -97,7 +121,7 @@ class SamplingTensors:
          Each filter sees the renormalised result of the one before.
       5. the token is argmax(filtered_logits + gumbel) where the Gumbel noise is
          the counter-based function of (seed, step, token id) defined by
-         `infer.backends.cpu_ref.noise.gumbel_noise`; the same seed and step
+         `infer.primitives.noise.gumbel_noise`; the same seed and step
          give the same token on every backend, whatever else is in the batch.
 
     Fields:

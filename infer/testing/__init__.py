@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 
 from ..primitives.backend import Backend
-from ..registry import Ops, get_backend
+from ..dispatch import Ops
+from ..registry import get_backend
 from .cases import Case, all_cases, select
 from .conformance import (
     TOLERANCES,

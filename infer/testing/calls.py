@@ -2,8 +2,11 @@
 
 One function per primitive takes a `Harness` and a case's host inputs, moves
 them to the backend (`asarray`, `prepare_metadata`, `prepare_sampling`,
-`prepare_weight`), calls the implementation `Ops.resolve` picks (the
-backend's own or its fallback's) and brings the results home with `to_numpy`.
+`prepare_weight`), calls it through `Harness.call`, which orders the arguments
+and derives the dispatch key from the same table the model runner binds with
+(`infer.primitives.binding`), so the implementation `Ops.resolve` picks (a
+fast path, the backend's own or its fallback's) is the runtime's, and brings
+the results home with `to_numpy`.
 The oracle runs through the very same functions on `cpu_ref` in float32, so a
 difference between the two runs is a difference between the backends.
 """
@@ -15,8 +18,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..primitives.backend import Backend
+from ..primitives.binding import arguments, dispatch_key
 from ..primitives.types import DenseWeight, SampleOutput, dtype_name
-from ..registry import Ops
+from ..dispatch import Ops
 from .quant_inputs import handle as quantized_handle
 
 
@@ -37,12 +41,21 @@ class Harness:
         """An integer (or fixed float32) input, in its own dtype."""
         return self.backend.asarray(x)
 
-    def fn(self, primitive: str, helper: bool = False, **kw: Any) -> Callable:
-        """The implementation the core would use; raises BackendUnavailableError."""
-        fn, provider = self.ops.resolve(primitive, dtype=self.dtype, **kw)
+    def key(self, primitive: str, kv_cache_dtype: str = "auto", head_dim: int | None = None, **named: Any) -> dict:
+        """The dispatch key the model runner would use for such a call (`binding.dispatch_key`)."""
+        return dispatch_key(primitive, dtype=self.dtype, named=named, kv_cache_dtype=kv_cache_dtype, head_dim=head_dim)
+
+    def call(self, primitive: str, *, helper: bool = False, kv_cache_dtype: str = "auto", head_dim: int | None = None,
+             **named: Any) -> Any:
+        """Call `primitive` with arguments by name, as the model runner does: the
+        implementation resolved for `dispatch_key`, the arguments ordered by
+        `binding.SIGNATURES`. A helper call (a kv_write setting up attention)
+        does not count as the case's provider."""
+        key = dispatch_key(primitive, dtype=self.dtype, named=named, kv_cache_dtype=kv_cache_dtype, head_dim=head_dim)
+        fn, provider = self.ops.resolve(primitive, **key)
         if not helper:
             self.provider = provider
-        return fn
+        return fn(*arguments(primitive, named))
 
     def out(self, name: str, x: Any, like: Any = None, dtype: str | None = None) -> None:
         """Record a result; its dtype must be `like`'s (the input's) or `dtype`."""
@@ -52,25 +65,29 @@ class Harness:
         self.outputs[name] = np.asarray(self.backend.to_numpy(x))
 
 
+def _prepared(h: Harness, weight) -> Any:
+    """A weight prepared by the backend that runs `linear` for its kind, as the runner prepares it."""
+    return h.ops.provider("linear", **h.key("linear", weight=weight)).prepare_weight(weight)
+
+
 def call_embedding(h: Harness, x: dict) -> None:
     if x["quant"] is not None:
-        table = quantized_handle(x["quant"], h.i, None, h.dtype)
         # Prepared as the runner prepares a tied lm_head: by linear's provider.
-        table = h.ops.provider("linear", dtype=h.dtype, weight_kind=table.kind).prepare_weight(table)
+        table = _prepared(h, quantized_handle(x["quant"], h.i, None, h.dtype))
         like = h.f(np.zeros(0, np.float32))  # the backend's storage of the case dtype
-        h.out("out", h.fn("embedding", weight_kind=table.kind)(h.i(x["ids"]), table), like=like)
+        h.out("out", h.call("embedding", ids=h.i(x["ids"]), table=table), like=like)
         return
     table = h.f(x["table"])
-    h.out("out", h.fn("embedding")(h.i(x["ids"]), table), like=table)
+    h.out("out", h.call("embedding", ids=h.i(x["ids"]), table=table), like=table)
 
 
 def call_rms_norm(h: Harness, x: dict) -> None:
-    fn = h.fn("rms_norm")
     xx, w = h.f(x["x"]), h.f(x["weight"])
+    out = h.call("rms_norm", x=xx, weight=w, eps=x["eps"], residual=h.f(x["residual"]))
     if x["residual"] is None:
-        h.out("out", fn(xx, w, x["eps"]), like=xx)
+        h.out("out", out, like=xx)
     else:
-        y, residual = fn(xx, w, x["eps"], h.f(x["residual"]))
+        y, residual = out
         h.out("out", y, like=xx)
         h.out("residual", residual, like=xx)
 
@@ -81,21 +98,20 @@ def call_linear(h: Harness, x: dict) -> None:
         weight = quantized_handle(x["quant"], h.i, h.f(x["bias"]), h.dtype)
     else:
         weight = DenseWeight(h.f(x["weight"]), h.f(x["bias"]))
-    weight = h.ops.provider("linear", dtype=h.dtype, weight_kind=weight.kind).prepare_weight(weight)
-    h.out("out", h.fn("linear", weight_kind=weight.kind)(xx, weight), like=xx)
+    h.out("out", h.call("linear", x=xx, weight=_prepared(h, weight)), like=xx)
 
 
 def call_rotary(h: Harness, x: dict) -> None:
     q, k = h.f(x["q"]), h.f(x["k"])
-    fn = h.fn("rotary")
-    q_out, k_out = fn(q, k, h.i(x["positions"]), h.i(x["cos_sin_cache"]), x["neox_style"])
+    q_out, k_out = h.call("rotary", q=q, k=k, positions=h.i(x["positions"]), cos_sin_cache=h.i(x["cos_sin_cache"]),
+                          neox_style=x["neox_style"])
     h.out("q", q_out, like=q)
     h.out("k", k_out, like=k)
 
 
 def call_act_and_mul(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    h.out("out", h.fn("act_and_mul")(xx, x["kind"]), like=xx)
+    h.out("out", h.call("act_and_mul", x=xx, kind=x["kind"]), like=xx)
 
 
 def _cache_outputs(h: Harness, cache: Any, shape: tuple[int, ...], owner: Backend | None = None) -> None:
@@ -106,37 +122,34 @@ def _cache_outputs(h: Harness, cache: Any, shape: tuple[int, ...], owner: Backen
         h.outputs[name] = np.asarray(c, dtype=np.float32)
 
 
-def _kv(h: Harness, x: dict, primitive: str, helper: bool = False, **kw: Any):
-    """(implementation, backend that owns the cache) for the case's cache dtype."""
-    if x.get("kv_scales") is None:
-        return h.fn(primitive, helper=helper, **kw), h.backend
-    fn = h.fn(primitive, helper=helper, kv_cache_dtype="fp8", **kw)
-    return fn, h.ops.provider("kv_write", dtype=h.dtype, kv_cache_dtype="fp8")
+def _cache_dtype(x: dict) -> str:
+    return "fp8" if x.get("kv_scales") else "auto"
 
 
-def _allocate(h: Harness, x: dict, owner: Backend) -> Any:
-    """The case's cache. An fp8 cache is uint8 codes in the layout of the
-    backend that writes it, placed by the backend under test (a fallback
-    instance may not know the device, as under the Ascend emulation)."""
-    if not x.get("kv_scales"):
-        return h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
+def _allocate(h: Harness, x: dict) -> tuple[Any, Backend]:
+    """The case's cache and the backend whose layout it has. An fp8 cache is
+    uint8 codes in the layout of the backend that writes it, placed by the
+    backend under test (a fallback instance may not know the device, as under
+    the Ascend emulation): `ModelRunner.allocate_kv_caches` does the same."""
+    if _cache_dtype(x) == "auto":
+        return h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype), h.backend
+    owner = h.ops.provider("kv_write", **h.key("kv_write", kv_cache_dtype="fp8"))
     if owner is h.backend:
-        return owner.allocate_kv_cache(*x["cache_shape"], "fp8")
-    return h.backend.asarray(np.zeros(owner.kv_cache_shape(*x["cache_shape"]), np.uint8))
+        return owner.allocate_kv_cache(*x["cache_shape"], "fp8"), owner
+    return h.backend.asarray(np.zeros(owner.kv_cache_shape(*x["cache_shape"]), np.uint8)), owner
 
 
 def call_kv_write(h: Harness, x: dict) -> None:
-    fn, owner = _kv(h, x, "kv_write")
-    cache = _allocate(h, x, owner)
-    fn(h.f(x["k"]), h.f(x["v"]), cache, h.i(x["slot_mapping"]), x["kv_scales"])
+    cache, owner = _allocate(h, x)
+    h.call("kv_write", kv_cache_dtype=_cache_dtype(x), k=h.f(x["k"]), v=h.f(x["v"]), kv_cache=cache,
+           slot_mapping=h.i(x["slot_mapping"]), scales=x["kv_scales"])
     # An fp8 cache comes back as its codes' values: backends must store the same codes.
     _cache_outputs(h, cache, x["cache_shape"], owner)
 
 
 def call_copy_blocks(h: Harness, x: dict) -> None:
-    write = h.fn("kv_write", helper=True)
     cache = h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
-    write(h.f(x["k"]), h.f(x["v"]), cache, h.i(x["slot_mapping"]), None)
+    h.call("kv_write", helper=True, k=h.f(x["k"]), v=h.f(x["v"]), kv_cache=cache, slot_mapping=h.i(x["slot_mapping"]))
     # Plumbing, not a primitive: always the backend's own (it owns the layout).
     h.provider = h.backend.name
     h.backend.copy_blocks(cache, x["src"], x["dst"])
@@ -144,36 +157,35 @@ def call_copy_blocks(h: Harness, x: dict) -> None:
 
 
 def call_attention(h: Harness, x: dict) -> None:
-    d = x["q"].shape[-1]
-    fn, owner = _kv(h, x, "attention", head_dim=d, sliding_window=x["sliding_window"] is not None,
-                    soft_cap=x["soft_cap"] is not None)
-    write, _ = _kv(h, x, "kv_write", helper=True)
-    scales = x.get("kv_scales")
-    cache = _allocate(h, x, owner)
+    cache, _ = _allocate(h, x)
+    scales, dtype = x.get("kv_scales"), _cache_dtype(x)
     # The cached context arrives in an earlier step, this step's K/V just
     # before attention: the order the model runner uses.
     if len(x["cached_slots"]):
-        write(h.f(x["cached_k"]), h.f(x["cached_v"]), cache, h.i(x["cached_slots"]), scales)
-    meta = h.backend.prepare_metadata(x["meta"])
+        h.call("kv_write", helper=True, kv_cache_dtype=dtype, k=h.f(x["cached_k"]), v=h.f(x["cached_v"]),
+               kv_cache=cache, slot_mapping=h.i(x["cached_slots"]), scales=scales)
+    named = dict(scale=x["scale"], sliding_window=x["sliding_window"], soft_cap=x["soft_cap"], kv_scales=scales)
+    head_dim = int(x["q"].shape[-1])
+    meta = h.ops.prepare_metadata(x["meta"], **h.key("attention", kv_cache_dtype=dtype, head_dim=head_dim, **named))
     if len(x["new_k"]):
-        write(h.f(x["new_k"]), h.f(x["new_v"]), cache, meta.slot_mapping, scales)
+        h.call("kv_write", helper=True, kv_cache_dtype=dtype, k=h.f(x["new_k"]), v=h.f(x["new_v"]), kv_cache=cache,
+               slot_mapping=meta.slot_mapping, scales=scales)
     q = h.f(x["q"])
-    extra = {"kv_scales": scales} if scales else {}
-    h.out("out", fn(q, cache, meta, x["scale"], x["sliding_window"], x["soft_cap"], **extra), like=q)
+    out = h.call("attention", kv_cache_dtype=dtype, head_dim=head_dim, q=q, kv_cache=cache, meta=meta, **named)
+    h.out("out", out, like=q)
 
 
 def call_moe(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    shared = () if x["shared"] is None else (h.f(x["shared"]), h.f(x["shared_gate"]))
-    fn = h.fn("moe", shared_expert=True) if shared else h.fn("moe")
-    out, counts = fn(xx, h.f(x["router_logits"]), h.f(x["w13"]), h.f(x["w2"]), x["top_k"], x["renormalize"], *shared)
+    out, counts = h.call("moe", x=xx, router_logits=h.f(x["router_logits"]), w13=h.f(x["w13"]), w2=h.f(x["w2"]),
+                         top_k=x["top_k"], renormalize=x["renormalize"], shared=h.f(x["shared"]),
+                         shared_gate=h.f(x["shared_gate"]))
     h.out("out", out, like=xx)
     h.out("tokens_per_expert", counts, dtype="int64")
 
 
 def call_sample(h: Harness, x: dict) -> None:
-    params = h.backend.prepare_sampling(x["params"])
-    res: SampleOutput = h.fn("sample")(h.i(x["logits"]), params)
+    res: SampleOutput = h.call("sample", logits=h.i(x["logits"]), params=h.backend.prepare_sampling(x["params"]))
     h.out("token_ids", res.token_ids, dtype="int64")
     h.out("logprobs", res.logprobs, dtype="float32")
     if x["params"].max_num_logprobs:
@@ -191,12 +203,12 @@ def call_sample(h: Harness, x: dict) -> None:
 # Collectives: `x["x"]` is this rank's input (set by the worker process).
 def call_all_reduce(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    h.out("out", h.fn("all_reduce")(xx), like=xx)
+    h.out("out", h.call("all_reduce", x=xx), like=xx)
 
 
 def call_all_gather(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    h.out("out", h.fn("all_gather")(xx, x["dim"]), like=xx)
+    h.out("out", h.call("all_gather", x=xx, dim=x["dim"]), like=xx)
 
 
 CALLS: dict[str, Callable[[Harness, dict], None]] = {

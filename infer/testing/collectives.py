@@ -25,6 +25,7 @@ import numpy as np
 
 from ..primitives.backend import Backend
 from .cases import COLLECTIVES, Case, all_cases
+from .results import ORACLE, CaseResult, compare
 
 WORLD_SIZE = 2
 TIMEOUT_S = 180
@@ -32,8 +33,6 @@ TIMEOUT_S = 180
 
 def run_collectives(backend: Backend, cases: list[Case]) -> list:
     """CaseResults of collective `cases` on `backend`, in order."""
-    from .conformance import CaseResult
-
     if not str(backend.device).startswith("cpu"):
         reason = f"collectives are checked with {WORLD_SIZE} gloo processes on the CPU; backend device is '{backend.device}'"
         return [CaseResult(c, backend.name, "skip", detail=reason) for c in cases]
@@ -94,8 +93,6 @@ def _import_root(backend_path: str) -> str | None:
 
 
 def _result(backend: Backend, case: Case, outcome: dict):
-    from .conformance import CaseResult, compare
-
     res = CaseResult(case, backend.name, "pass")
     if "failure" in outcome:
         res.status, res.detail = "error", f"collective workers failed: {outcome['failure']}"
@@ -124,9 +121,9 @@ def _result(backend: Backend, case: Case, outcome: dict):
 def _worker(job: Path, rank: int) -> None:
     import torch.distributed as dist
 
-    from ..registry import BackendUnavailableError, Ops, get_backend
+    from ..dispatch import Ops
+    from ..registry import BackendUnavailableError, get_backend
     from .calls import invoke
-    from .conformance import ORACLE
 
     spec = json.loads((job / "job.json").read_text())
     module, _, qualname = spec["backend"].partition(":")

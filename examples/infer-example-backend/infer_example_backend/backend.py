@@ -1,9 +1,11 @@
 """`example`: torch CPU tensors, three primitives of its own, the rest from `torch`.
 
-A partial backend is legal: `Ops` resolves what this class does not define to
+A partial backend is legal: infer resolves what this class does not define to
 its `fallback` backend, whose tensors are the same type. The three primitives
 below compute in float32 and round once to the input dtype, as the contract's
-reductions require.
+reductions require. Only public API is used: `infer.primitives` (the contract)
+and `infer.primitives.torch_tensors.TorchTensors` (a `Backend` whose tensor
+plumbing for torch is written).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import math
 
 import torch
 
-from infer.backends.torch_native.plumbing import TorchPlumbing
+from infer.primitives.torch_tensors import TorchTensors
 from infer.primitives import FLOAT_DTYPES
 
 
-class ExampleBackend(TorchPlumbing):
+class ExampleBackend(TorchTensors):
     name = "example"
     description = "out-of-tree example: embedding, rms_norm and act_and_mul of its own; torch for the rest"
     dtypes = FLOAT_DTYPES

@@ -11,7 +11,7 @@ from .backend import ExampleBackend
 
 def build_example_llama(config: dict):
     """`ExampleLlamaForCausalLM`: the Llama graph under a new architecture name."""
-    from infer.core.models.llama import build_llama
+    from infer.core.models import build_llama
 
     return build_llama(config)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ...core import xy_plan
-from ...primitives.types import AttentionMetadata
+from ...primitives.types import AttentionMetadata, AttentionPlan
 from ..torch_native import attention as torch_attention
 from .availability import torch_npu
 
@@ -35,14 +35,14 @@ MASK_SIZE = 2048
 
 
 @dataclass(slots=True)
-class AscendStepPlan:
-    """Per-step data every layer's attention shares, built once on the host."""
+class AscendStepPlan(AttentionPlan):
+    """Per-step data every layer's attention shares, built once from the host arrays."""
 
     tiles: xy_plan.TokenTable  # the attention Token-Table (the Task-Table is the kernel's own business)
     tile_ends: list[int]  # actual_seq_lengths: cumulative tile sizes
     tile_kv_lens: list[int]  # actual_seq_lengths_kv
     tile_requests: torch.Tensor  # [tiles] request of each tile, on the device
-    torch_plan: object = None  # the torch backend's plan, made on first fallback use
+    torch_plan: torch_attention.LazyPlan  # the torch ops' plan (grouped on first use) for what the kernel declines
     _tile_table: torch.Tensor | None = None  # block-table rows per tile, gathered by the step's first layer
     _table_of: object = None  # ...from this block table
 
@@ -58,7 +58,8 @@ def plan_step(query_start_loc, seq_lens, device) -> AscendStepPlan:
     table = xy_plan.attention_table(query_start_loc, seq_lens)
     ends = np.cumsum(table.token_num).tolist()
     reqs = torch.from_numpy(table.request.copy()).to(device)
-    return AscendStepPlan(table, [int(e) for e in ends], [int(k) for k in table.kv_len], reqs)
+    return AscendStepPlan(table, [int(e) for e in ends], [int(k) for k in table.kv_len], reqs,
+                          torch_attention.lazy_plan(query_start_loc, seq_lens))
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, scales=None) -> None:
@@ -92,16 +93,18 @@ def fused_ok(kv_cache: torch.Tensor) -> bool:
 
 
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-              sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
-    step = meta.backend_data
-    if not isinstance(step, AscendStepPlan):
+              sliding_window: int | None = None, soft_cap: float | None = None,
+              kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+    if kv_scales is not None:
+        raise ValueError("attention: backend 'ascend' has no fp8 KV cache (it declares kv_cache_dtypes "
+                                  "('auto',)); allocate the cache in the model dtype")
+    step = meta.plan
+    if step is None:  # metadata built by hand, not by prepare_metadata: plan from its arrays (a device sync)
         step = plan_step(*_host_meta(meta), q.device)
     if sliding_window is not None or soft_cap is not None or not fused_ok(kv_cache) or q.dtype == torch.float32:
         # Declined in `supports` when the core can know it; a block size the
         # kernel does not page by is only known here. torch's ops run instead.
-        if step.torch_plan is None:
-            step.torch_plan = torch_attention.plan_attention(*_host_meta(meta)[:2]).to(q.device)
-        return torch_attention.attention(q, kv_cache, replace(meta, backend_data=step.torch_plan), scale,
+        return torch_attention.attention(q, kv_cache, replace(meta, plan=step.torch_plan), scale,
                                          sliding_window, soft_cap)
     t, hq, d = q.shape
     if t == 0:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...primitives.types import AttentionMetadata, Support
-from ..torch_native.plumbing import TORCH_DTYPES, TorchPlumbing
+from ...primitives.torch_tensors import TORCH_DTYPES, TorchTensors
 from . import attention as attn
 from . import layers, linear, moe
 from .availability import probe, tensor_device
@@ -29,7 +29,7 @@ _ATTENTION_DECLINES = {
 }
 
 
-class AscendBackend(TorchPlumbing):
+class AscendBackend(TorchTensors):
     name = "ascend"
     description = "Huawei Ascend NPUs through torch_npu fused ops, XY-Serve style"
     dist_backend = "hccl"
@@ -86,11 +86,9 @@ class AscendBackend(TorchPlumbing):
     def prepare_weight(self, weight):
         return linear.prepare_weight(weight)
 
-    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Device copies plus the step's XY-Serve tiles, planned once on the host for every layer."""
-        out = super().prepare_metadata(meta)
-        out.backend_data = attn.plan_step(meta.query_start_loc, meta.seq_lens, self.placement)
-        return out
+    def plan_attention(self, meta: AttentionMetadata) -> attn.AscendStepPlan:
+        """The step's XY-Serve tiles, planned once on the host for every layer."""
+        return attn.plan_step(meta.query_start_loc, meta.seq_lens, self.placement)
 
     def synchronize(self) -> None:
         torch.npu.synchronize()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ...core import xy_plan
 from ...primitives.types import DenseWeight, Int4GroupWeight, Int8GroupWeight, WeightHandle
-from ..torch_native.plumbing import TORCH_DTYPES
+from ...primitives.torch_tensors import TORCH_DTYPES
 from .availability import torch_npu
 
 # Rows per GEMM tile. Decode batches up to this size are one product.
@@ -74,7 +74,12 @@ def _quant_product(x: torch.Tensor, p: WeightQuant) -> torch.Tensor:
     return torch_npu().npu_weight_quant_batchmatmul(x, p.weight, p.scale, p.offset, antiquant_group_size=p.group)
 
 
-def linear(x: torch.Tensor, weight: WeightHandle, m_tile: int = M_TILE) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: WeightHandle) -> torch.Tensor:
+    """The `linear` primitive: SmoothGEMM tiles of M_TILE rows."""
+    return tiled_linear(x, weight, M_TILE)
+
+
+def tiled_linear(x: torch.Tensor, weight: WeightHandle, m_tile: int) -> torch.Tensor:
     if not isinstance(weight, DenseWeight):
         return _quant_linear(x, weight, m_tile)
     t = x.shape[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...primitives.types import SampleOutput, SamplingTensors
-from .noise import gumbel_noise
+from ...primitives.noise import gumbel_noise
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -65,20 +65,20 @@ def filter_logits(x: np.ndarray, p: SamplingTensors, b: int) -> np.ndarray:
     return x
 
 
-def sample(logits: np.ndarray, p: SamplingTensors) -> SampleOutput:
+def sample(logits: np.ndarray, params: SamplingTensors) -> SampleOutput:
     n, vocab = logits.shape
     raw = log_softmax(logits.astype(np.float64))
     tokens = np.zeros(n, dtype=np.int64)
     for b in range(n):
-        x = apply_penalties(logits[b].astype(np.float64), p, b)
-        if float(p.temperature[b]) == 0.0:
+        x = apply_penalties(logits[b].astype(np.float64), params, b)
+        if float(params.temperature[b]) == 0.0:
             tokens[b] = int(np.argmax(x))  # argmax takes the lowest id on ties
             continue
-        x = filter_logits(x, p, b)
-        noise = gumbel_noise(p.seeds[b : b + 1], p.steps[b : b + 1], vocab)[0]
+        x = filter_logits(x, params, b)
+        noise = gumbel_noise(params.seeds[b : b + 1], params.steps[b : b + 1], vocab)[0]
         tokens[b] = int(np.argmax(x + noise))
     out = SampleOutput(token_ids=tokens, logprobs=raw[np.arange(n), tokens].astype(np.float32))
-    k = p.max_num_logprobs
+    k = params.max_num_logprobs
     if k > 0:
         top = np.argsort(-raw, axis=-1, kind="stable")[:, :k]
         out.top_token_ids = top.astype(np.int64)

@@ -18,14 +18,14 @@ import importlib.util
 from typing import Any
 
 from ...primitives.types import QUANTIZED_KINDS, Support
-from ..torch_native.plumbing import TorchPlumbing
+from ...primitives.torch_tensors import TorchTensors
 from .launch import interpreting
 
 NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe", "linear")
 INTERPRETER_NOTE = "Triton interpreter mode (TRITON_INTERPRET=1): kernels run on the CPU, for testing only"
 
 
-class CudaBackend(TorchPlumbing):
+class CudaBackend(TorchTensors):
     name = "cuda"
     description = "NVIDIA GPUs through Triton kernels (torch for what it does not override)"
     dist_backend = "nccl"
@@ -58,13 +58,13 @@ class CudaBackend(TorchPlumbing):
             return Support(False, f"backend 'cuda' leaves dense linear to '{self.fallback}' (cuBLAS)")
         return super().supports(primitive, **kw)
 
-    def decode_graphs(self, runner, *, max_model_len, block_size, batch_sizes, progress=iter):
+    def decode_graphs(self, forward, *, max_model_len, block_size, batch_sizes, progress=iter):
         """CUDA graphs of the decode step on a GPU (`graphs.DecodeGraphs`); None in interpreter mode."""
         if interpreting() or not str(self.device).startswith("cuda"):
             return None
         from .graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(runner, max_model_len, block_size, batch_sizes)
+        graphs = DecodeGraphs(forward, self.device, max_model_len, block_size, batch_sizes)
         graphs.capture(progress)
         return graphs
 

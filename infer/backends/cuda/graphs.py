@@ -28,20 +28,25 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from ...primitives.context import ForwardOutput
 from ...primitives.types import AttentionMetadata
 
-class DecodeGraphs:
-    """Replays a captured forward of `runner` for decode-only steps of up to ``max(batch_sizes)`` requests."""
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], ForwardOutput]
 
-    def __init__(self, runner, max_model_len: int, block_size: int, batch_sizes: Iterable[int],
+
+class DecodeGraphs:
+    """Replays a captured `forward` for decode-only steps of up to ``max(batch_sizes)`` requests."""
+
+    def __init__(self, forward: Forward, device, max_model_len: int, block_size: int, batch_sizes: Iterable[int],
                  use_graphs: bool = True):
-        """`batch_sizes`: the engine's are `core.config.graph_batch_sizes`."""
-        self.runner, self.block_size, self.max_model_len = runner, block_size, max_model_len
+        """`forward`: the model's (`Backend.decode_graphs`); `batch_sizes`: the engine's
+        are `core.config.graph_batch_sizes`."""
+        self._forward, self.block_size, self.max_model_len = forward, block_size, max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        self.device = torch.device(str(runner.backend.device))
+        self.device = torch.device(str(device))
         if use_graphs and not (self.device.type == "cuda" and torch.cuda.is_available()):
-            raise ValueError(f"CUDA graphs need a CUDA device; the runner's is {self.device}")
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         self.use_graphs = use_graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._out: torch.Tensor | None = None  # the graphs' logits, rows [:bs] for size bs
@@ -123,21 +128,22 @@ class DecodeGraphs:
         self._fill(*_padding_only())
         ids, positions, rows, meta = self._inputs(bs)
         if not self.use_graphs:
-            self.runner.forward(ids, positions, rows, meta)
-            self.pad_counts[bs] = self._per_row(dict(self.runner.expert_counts), bs)
+            self.pad_counts[bs] = self._per_row(self._forward(ids, positions, rows, meta).expert_counts, bs)
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles kernels, validates arguments
-            logits = self.runner.forward(ids, positions, rows, meta)
+            logits = self._forward(ids, positions, rows, meta).logits
         torch.cuda.current_stream().wait_stream(stream)
         if self._out is None:  # every graph writes its logits here: one [largest size, vocab] buffer in all
             self._out = torch.empty(self.batch_sizes[-1], logits.shape[1], dtype=logits.dtype, device=self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._out[:bs].copy_(self.runner.forward(ids, positions, rows, meta))
+            out = self._forward(ids, positions, rows, meta)
+            self._out[:bs].copy_(out.logits)
         self.pool = graph.pool()
-        self.graphs[bs], self.counts[bs] = graph, dict(self.runner.expert_counts)
+        # The counts tensors were written by the captured kernels: each replay refreshes them.
+        self.graphs[bs], self.counts[bs] = graph, dict(out.expert_counts)
         graph.replay()  # every row padding: what padding adds to the expert counts
         self.pad_counts[bs] = self._per_row(self.counts[bs], bs)
 
@@ -153,9 +159,9 @@ class DecodeGraphs:
         return (0 < b <= self.batch_sizes[-1] and meta.max_query_len == 1 and meta.num_tokens == b
                 and meta.max_seq_len <= self.max_model_len and meta.block_table.shape[1] <= self.max_blocks)
 
-    def forward(self, ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> ForwardOutput:
         """Logits [B, vocab] (float32) of every row of a step given as host arrays
-        (`can_replay` must hold); valid until the next call."""
+        (`can_replay` must hold) and its expert counts; valid until the next call."""
         b = meta.num_seqs
         bs = next(n for n in self.batch_sizes if n >= b)
         with self._on_device():
@@ -164,13 +170,12 @@ class DecodeGraphs:
                 self.graphs[bs].replay()
                 logits, counts = self._out, self.counts[bs]
             else:
-                logits = self.runner.forward(*self._inputs(bs))
-                counts = dict(self.runner.expert_counts)
-            if counts:  # MoE: the step's counts without the padding's
-                pad = self.pad_counts[bs]
-                self.runner.expert_counts = {layer: c - (bs - b) * pad[layer] for layer, c in counts.items()}
+                out = self._forward(*self._inputs(bs))
+                logits, counts = out.logits, out.expert_counts
+            pad = self.pad_counts[bs]  # MoE: the step's counts without the padding's
+            counts = {layer: c - (bs - b) * pad[layer] for layer, c in counts.items()}
         self.replays += 1
-        return logits[:b]
+        return ForwardOutput(logits[:b], counts)
 
 
 def _padding_only():

@@ -19,13 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...primitives.types import AttentionMetadata
+from ...primitives.types import AttentionMetadata, AttentionPlan
 from . import fp8_kv
-from .native import ops as native
 
 # Gathered K+V per chunk of requests: past a few MiB the copies fall out of
-# cache, and on 2 cores a 32-request x 1k-context decode ran ~4x slower with
-# one 270 MiB gather than with 16 MiB chunks.
+# cache, and one whole-batch gather measured several times slower than chunks
+# of this size (docs/backends/torch-measurements.md).
 _KV_CHUNK_BYTES = 16 << 20
 # Explicit-score path: scores of at most this many elements per chunk of queries.
 _SCORE_CHUNK = 1 << 22
@@ -35,8 +34,6 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     # An fp8 cache holds e4m3 codes of k / k_scale, v / v_scale.
     fp8, scales = fp8_kv.cache_scales(kv_cache, scales, "kv_write: scales")
     scales = scales if fp8 else None
-    if native.kv_write(k, v, kv_cache, slot_mapping, scales):
-        return
     if fp8:
         k, v = fp8_kv.quantize(k, scales[0]), fp8_kv.quantize(v, scales[1])
     hk, d = kv_cache.shape[-2:]
@@ -98,7 +95,7 @@ class _ChunkIndex:
 
 
 @dataclass(slots=True)
-class AttentionPlan:
+class GroupPlan:
     """The per-step split of the batch into groups; built once, read by every layer."""
 
     groups: list[AttentionGroup]
@@ -114,9 +111,9 @@ class AttentionPlan:
     # Sum over requests of query rows x context length: what a one-row-at-a-time kernel reads (-1: unknown).
     row_keys: int = -1
 
-    def to(self, device) -> "AttentionPlan":
+    def to(self, device) -> "GroupPlan":
         rows = None if self.out_rows is None else self.out_rows.to(device)
-        return AttentionPlan([g.to(device) for g in self.groups], self.num_tokens, rows, self.direct,
+        return GroupPlan([g.to(device) for g in self.groups], self.num_tokens, rows, self.direct,
                              row_keys=self.row_keys)
 
 
@@ -147,30 +144,31 @@ def _group(requests: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, s
 
 
 @dataclass(slots=True)
-class LazyPlan:
-    """What `prepare_metadata` attaches: `row_keys` now (all the native kernels read), the
-    `AttentionPlan` of the torch ops when a step first needs it (on CPU a decode step of the
-    native path never does, and planning took ~0.1-0.2 ms a step)."""
+class LazyPlan(AttentionPlan):
+    """The torch backend's `AttentionPlan`, attached by `prepare_metadata`: `row_keys` now
+    (all the native kernels read), the `GroupPlan` of the torch ops when a step first
+    needs it (a decode step served by the native kernels never does)."""
 
     query_start_loc: object  # host copies
     seq_lens: object
-    device: object
     row_keys: int
-    plan: AttentionPlan | None = None
+    plan: GroupPlan | None = None
     native: object = None  # the native attention block's packed step arguments (False: unusable)
 
-    def resolve(self) -> AttentionPlan:
+    def resolve(self, device) -> GroupPlan:
+        """The groups on `device` (the queries'), planned on first use."""
         if self.plan is None:
-            self.plan = plan_attention(self.query_start_loc, self.seq_lens).to(self.device)
+            self.plan = plan_attention(self.query_start_loc, self.seq_lens).to(device)
         return self.plan
 
 
-def lazy_plan(query_start_loc, seq_lens, device) -> LazyPlan:
+def lazy_plan(query_start_loc, seq_lens) -> LazyPlan:
+    """The step's plan from its host arrays (no device sync)."""
     qsl, seq = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
-    return LazyPlan(qsl, seq, device, int(((qsl[1:] - qsl[:-1]) * seq).sum()))
+    return LazyPlan(qsl, seq, int(((qsl[1:] - qsl[:-1]) * seq).sum()))
 
 
-def plan_attention(query_start_loc, seq_lens) -> AttentionPlan:
+def plan_attention(query_start_loc, seq_lens) -> GroupPlan:
     """Split a batch into a decode group and a prefill group (host tensors in, host tensors out)."""
     qsl = torch.as_tensor(query_start_loc).long().cpu()
     seq = torch.as_tensor(seq_lens).long().cpu()
@@ -181,7 +179,7 @@ def plan_attention(query_start_loc, seq_lens) -> AttentionPlan:
         requests = torch.nonzero(select).flatten()
         if requests.numel():
             groups.append(_group(requests, qsl[requests], q_lens[requests], seq[requests]))
-    plan = AttentionPlan(groups, row_keys=int((q_lens * seq).sum()))
+    plan = GroupPlan(groups, row_keys=int((q_lens * seq).sum()))
     if len(groups) == 1 and qsl.numel() and int(qsl[0]) == 0:
         g, n = groups[0], int(qsl[-1])
         if torch.equal(torch.sort(g.token_rows).values, torch.arange(n)):
@@ -321,7 +319,7 @@ def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_sc
     return out.transpose(1, 2).reshape(gs * g.max_q, hq, d)
 
 
-def _chunks(plan: AttentionPlan, gi: int, g: AttentionGroup, kv_cache, meta, window) -> list[_ChunkIndex]:
+def _chunks(plan: GroupPlan, gi: int, g: AttentionGroup, kv_cache, meta, window) -> list[_ChunkIndex]:
     """The group's requests cut so that each cut gathers at most ~_KV_CHUNK_BYTES of K/V (memoised per step)."""
     hk, d = kv_cache.shape[-2:]
     bytes_per_block = 2 * meta.block_size * hk * d * kv_cache.element_size()
@@ -338,7 +336,7 @@ def _chunks(plan: AttentionPlan, gi: int, g: AttentionGroup, kv_cache, meta, win
     return chunks
 
 
-def _group_attention(q, kv_cache, meta, plan: AttentionPlan, gi: int, scale, window, soft_cap,
+def _group_attention(q, kv_cache, meta, plan: GroupPlan, gi: int, scale, window, soft_cap,
                      kv_scales=None) -> torch.Tensor:
     """[G * max_q, Hq, D] for a group, gathering at most ~_KV_CHUNK_BYTES of K/V at a time."""
     g = plan.groups[gi]
@@ -363,15 +361,9 @@ def attention(
     soft_cap: float | None = None,
     kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    plan = meta.backend_data
-    if soft_cap is None and isinstance(plan, LazyPlan | AttentionPlan) and plan.row_keys >= 0:
-        fast = native.attention(q, kv_cache, meta, scale, sliding_window, plan.row_keys * q.shape[1] * q.shape[2],
-                                (1.0, 1.0) if kv_scales is None else kv_scales)
-        if fast is not None:
-            return fast
-    plan = plan.resolve() if isinstance(plan, LazyPlan) else plan
-    if not isinstance(plan, AttentionPlan):
-        plan = plan_attention(meta.query_start_loc, meta.seq_lens).to(q.device)
+    lazy = meta.plan
+    # Metadata built by hand has no plan: one from its (maybe device) arrays.
+    plan = lazy.resolve(q.device) if isinstance(lazy, LazyPlan) else plan_attention(meta.query_start_loc, meta.seq_lens).to(q.device)
     if plan.memo_table is not meta.block_table:  # the memo is for one step's block table
         plan.memo.clear()
         plan.memo_table = meta.block_table

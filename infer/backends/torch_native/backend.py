@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...primitives.backend import Support
+from ...primitives.backend import FastPath, Support
 from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
-from . import collectives, fused, native, ops, quant_linear
-from .attention import attention, kv_write, lazy_plan
+from . import collectives, fast_paths, fused, native, ops, quant_linear
+from .attention import LazyPlan, attention, kv_write, lazy_plan
 from .moe import moe
-from .plumbing import TorchPlumbing
+from ...primitives.torch_tensors import TorchTensors
 from .sampling import sample
 
 
@@ -27,7 +27,7 @@ class _DistBackend:
         return self.BY_DEVICE_TYPE.get(str(backend.device).split(":")[0], "gloo")
 
 
-class TorchBackend(TorchPlumbing):
+class TorchBackend(TorchTensors):
     name = "torch"
     description = "plain PyTorch on any torch device (cpu by default); the fallback other torch backends inherit"
     dist_backend = _DistBackend()
@@ -38,24 +38,30 @@ class TorchBackend(TorchPlumbing):
     fallback = None
 
     # -- plumbing -------------------------------------------------------------
-    def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Device copies of the step's metadata plus its attention plan (built on the host when first needed)."""
-        out = super().prepare_metadata(meta)
-        out.backend_data = lazy_plan(meta.query_start_loc, meta.seq_lens, self.device)
-        return out
+    def plan_attention(self, meta: AttentionMetadata) -> LazyPlan:
+        """What the native kernels read now; the torch ops' grouping when a step first needs it."""
+        return lazy_plan(meta.query_start_loc, meta.seq_lens)
+
+    def _native_kernels(self) -> bool:
+        return str(self.device).split(":")[0] == "cpu" and native.library() is not None
+
+    def fast_path(self, primitive: str, **kw: Any) -> FastPath | None:
+        # The native C kernels on CPU (fast_paths.py); each declines what it has no kernel for.
+        if primitive == "linear" and kw.get("weight_kind") not in fast_paths.QUANTIZED_LINEAR_KINDS:
+            return None
+        return fast_paths.NATIVE.get(primitive) if self._native_kernels() else None
 
     def keeps_quantized(self, dtype: str) -> bool:
-        # float32 on CPU: the native GEMVs are exact to float32 rounding, and SmolLM2's
-        # Q4_1 GGUF kept quantized decodes ~2x as fast as its dequantized float32 weights.
-        cpu = str(self.device).split(":")[0] == "cpu"
-        return super().keeps_quantized(dtype) or (cpu and native.library() is not None)
+        # float32 on CPU: the native GEMVs are exact to float32 rounding and read a
+        # quarter of the bytes (docs/quantization.md has the measured decode speeds).
+        return super().keeps_quantized(dtype) or self._native_kernels()
 
     def fuses(self, node_op: str, **attrs: Any) -> Support:
         # The native attention block and MLP (fused.py) on CPU; each step they cannot
         # serve (see there) runs the node's primitives.
         if node_op not in ("attention", "mlp"):
             return Support(False, f"backend '{self.name}' fuses attention and mlp nodes only")
-        if str(self.device).split(":")[0] != "cpu" or native.library() is None:
+        if not self._native_kernels():
             return Support(False, f"the native kernels are not in use ({native.status()})")
         return Support(True)
 

@@ -12,7 +12,8 @@ runner runs the node's primitives instead.
 
 from __future__ import annotations
 
-from ...primitives.types import Int4GroupWeight
+from ...primitives.context import LayerContext
+from ...primitives.types import AttentionMetadata, Int4GroupWeight
 from .attention import LazyPlan
 from .native import ops as native
 from .quant_linear import Int4Prepared
@@ -39,23 +40,21 @@ def _layer_memo(params: dict, build, *keys):
     return memo[1]
 
 
-def attention(x, positions, *, params, attrs, env, runner, layer):
-    meta = env["meta"]
-    plan = meta.backend_data
-    if not isinstance(plan, LazyPlan):
+def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
+    plan = meta.plan
+    if not isinstance(plan, LazyPlan):  # another backend serves attention (this runs as a fallback's node)
         return NotImplemented
-    cache = runner.kv_caches[layer]
 
     def build():
         qkv, o = _int4(params.get("qkv_proj")), _int4(params.get("o_proj"))
         if qkv is None or o is None or "q_norm" in params or attrs["soft_cap"] is not None \
-                or runner.kv_cache_dtype == "fp8":
+                or ctx.kv_cache_dtype == "fp8":
             return None
         heads = (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"])
-        return native.attention_block_layer(qkv, o, runner.rope_cache(attrs["rotary_dim"]), attrs["neox_style"],
-                                            cache, heads, attrs["scale"], attrs["sliding_window"])
+        return native.attention_block_layer(qkv, o, ctx.cos_sin_cache(attrs["rotary_dim"]), attrs["neox_style"],
+                                            ctx.kv_cache, heads, attrs["scale"], attrs["sliding_window"])
 
-    packed = _layer_memo(params, build, cache)
+    packed = _layer_memo(params, build, ctx.kv_cache)
     if packed is False:
         return NotImplemented
     if plan.native is None:  # the step's side, packed by the first layer
@@ -67,7 +66,7 @@ def attention(x, positions, *, params, attrs, env, runner, layer):
     return NotImplemented if out is None else out
 
 
-def mlp(x, *, params, attrs, env, runner, layer):
+def mlp(x, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
     def build():
         gate_up, down = _int4(params.get("gate_up_proj")), _int4(params.get("down_proj"))
         if gate_up is None or down is None or attrs["act"] != "silu":

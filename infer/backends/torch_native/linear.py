@@ -1,29 +1,29 @@
 """`linear` for the torch backend: dense weights, with CPU fast paths.
 
-What was measured (2-core AVX-512 CPU, MKL-backed torch 2.13; figures in
-benchmarks/primitives.py's output):
+Why each path (measurements: docs/backends/torch-measurements.md;
+benchmarks/primitives.py reproduces them):
 
 * float32, few rows (T <= SPLIT_MAX_ROWS): torch runs a single-row ``F.linear``
-  (MKL sgemv) on one thread at ~1/3 of memory bandwidth. Cutting the N outputs
-  into one ``bmm`` batch entry per intra-op thread makes torch run the pieces in
-  parallel: about 2x at T=1..4, 5-15% at T=32. The pieces are views of the
-  weight, made once in `prepare_weight`.
+  (MKL sgemv) on one thread, well short of memory bandwidth. Cutting the N
+  outputs into one ``bmm`` batch entry per intra-op thread makes torch run the
+  pieces in parallel; the gain is largest at decode sizes. The pieces are views
+  of the weight, made once in `prepare_weight`.
 * Wide weights (N >= KMAJOR_RATIO * K: gate_up, lm_head) stream faster stored
-  K-major ([K, N]): 1.5-1.8x at T=1..2 (lm_head ~40 vs ~22 GB/s), 5-10% slower
-  at T=4..32, and the split stays ahead of F.linear up to
-  SPLIT_MAX_ROWS_KMAJOR rows. `prepare_weight` makes that copy once and the
-  returned handle's ``weight`` is a [N, K] view of it (no second copy kept).
-* float32, many rows: plain ``F.linear`` (MKL sgemm) reaches ~90% of the fp32
-  matmul peak at T=512.
+  K-major ([K, N]) at T=1..2, slightly slower at T=4..32, and the split stays
+  ahead of F.linear up to SPLIT_MAX_ROWS_KMAJOR rows. `prepare_weight` makes
+  that copy once and the returned handle's ``weight`` is a [N, K] view of it
+  (no second copy kept).
+* float32, many rows: plain ``F.linear`` (MKL sgemm) runs close to the fp32
+  matmul peak.
 * bfloat16: ``F.linear`` (oneDNN, AVX512-BF16) is fastest at every T.
-* float16: CPUs without AVX512-FP16 run torch's fp16 GEMM ~3x slower than fp32,
-  so from FP16_UPCAST_ROWS rows on, the product runs in float32 (weight widened
-  per call, cheap next to the GEMM) and is rounded to float16 once.
+* float16: CPUs without AVX512-FP16 run torch's fp16 GEMM several times slower
+  than fp32, so from FP16_UPCAST_ROWS rows on, the product runs in float32
+  (weight widened per call, cheap next to the GEMM) and is rounded to float16 once.
 
-NumPy's BLAS on zero-copy views was also measured: 0-20% faster at T=1 alone,
+NumPy's BLAS on zero-copy views was also measured: slightly faster at T=1 alone,
 but its speed depends on OPENBLAS_* settings, and its threads and torch's
 OpenMP threads spin against each other when calls interleave (alternating with
-a parallel torch op, both took ~1-5 ms instead of ~0.1 ms), so it is not used.
+a parallel torch op, both became many times slower), so it is not used.
 Other devices: ``F.linear``.
 """
 

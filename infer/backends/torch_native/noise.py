@@ -1,4 +1,4 @@
-"""The contract's seeded Gumbel noise (`infer.backends.cpu_ref.noise`) in torch.
+"""The contract's seeded Gumbel noise (`infer.primitives.noise`) in torch.
 
 The integer hash must match bit for bit. torch has no usable uint32, so 32-bit
 values live in int64 and each 32x32-bit product is split into 16-bit halves:
@@ -7,7 +7,8 @@ steps follow the reference op for op in float64, so the noise matches too.
 
 A full [B, V] grid is hashed in cache-sized tiles with in-place ops: the hash
 is ~20 elementwise passes, and on a CPU fresh [B, V] int64 temporaries for each
-made it ~10x slower (allocation and memory traffic, not arithmetic).
+made it many times slower (allocation and memory traffic, not arithmetic;
+docs/backends/torch-measurements.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .native import ops as native
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -20,17 +19,15 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 # Up to this many rows, float32 rms_norm runs as torch's fused F.rms_norm (one
-# kernel: ~2x faster at decode sizes); past it the fused CPU kernel was measured
-# slower than the composite below (2.8x at 2048 rows), which parallelises better.
+# kernel: faster at decode sizes); past it the fused CPU kernel was measured
+# slower than the composite below, which parallelises better
+# (docs/backends/torch-measurements.md).
 FUSED_RMS_NORM_MAX_ROWS = 256
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    fast = native.rms_norm(x, weight, eps, residual)
-    if fast is not None:
-        return fast
     if residual is not None:
         # The sum is rounded to x's dtype: it is what the next layer adds to.
         x = x + residual
@@ -88,9 +85,6 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox_style: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fast = native.rotary(q, k, positions, cos_sin_cache, neox_style)
-    if fast is not None:
-        return fast
     half = cos_sin_cache.shape[1] // 2
     cos_sin = cos_sin_cache.float().index_select(0, positions.long())[:, None, :]  # [T, 1, R]
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
@@ -117,10 +111,6 @@ def act_and_mul(x: torch.Tensor, kind: str) -> torch.Tensor:
         act = _ACTIVATIONS[kind]
     except KeyError:
         raise ValueError(f"act_and_mul: unknown activation {kind!r}; expected one of {tuple(_ACTIVATIONS)}") from None
-    if kind == "silu":
-        fast = native.silu_and_mul(x)
-        if fast is not None:
-            return fast
     half = x.shape[-1] // 2
     xf = x.float()
     return (act(xf[:, :half]) * xf[:, half:]).to(x.dtype)

@@ -1,38 +1,35 @@
 """Quantized `linear` and `embedding` for the torch backend.
 
-What was measured (one thread of a 2-core AVX-512 CPU, torch 2.13, SmolLM2
-shapes; `python benchmarks/quant.py --part linear --threads 1`):
+Why each path (SmolLM2 shapes; measurements: docs/backends/torch-measurements.md,
+from `python benchmarks/quant.py --part linear --threads 1`):
 
 * torch's int4 CPU GEMM (``aten._weight_int4pack_mm_for_cpu``) has a fast,
-  vectorised kernel for bfloat16/float16 activations: 1.3-1.4x the fp32
-  dense GEMV at T=1 and ~2x at T=4, while reading 1/7 of the bytes. Its time
-  grows with T while dequantize-in-tiles pays a fixed dequantization: against
-  bf16 tiles it measured 3-3.9x faster at T=37, 1.25-1.5x at T=128, and 1.6-2x
-  slower at T=512 (2026-11-29, SmolLM2's qkv, gate_up and down), so it takes
-  up to 160 rows. Its float32 kernel is scalar: 15-20x
+  vectorised kernel for bfloat16/float16 activations: faster than the fp32
+  dense GEMV at decode sizes, while reading 1/7 of the bytes. Its time
+  grows with T while dequantize-in-tiles pays a fixed dequantization: it beat
+  bf16 tiles at T=37 and T=128 and lost at T=512, so it takes up to
+  INT4_KERNEL_MAX_ROWS rows. Its float32 kernel is scalar: far
   slower than the dense GEMV at T=1 and slower than dequantize-in-tiles at
   every T, so float32 never uses it. Its dequantization is
   ``(q - 8) * scale + zero``, our ``q * scale + offset`` with
   ``zero = offset + 8 * scale``; it needs N % 16 == 0.
 * ``aten._weight_int8pack_mm`` takes one scale per output channel only, so a
   group-quantized int8 weight (GGUF Q8_0) runs as one call per K group
-  (weight stored [K/G, N, G]) whose outputs are summed: 2.4x the fp32 dense
-  GEMV of SmolLM2's lm_head at T=1, behind tiles from T=32.
+  (weight stored [K/G, N, G]) whose outputs are summed: faster than the fp32
+  dense GEMV of SmolLM2's lm_head at T=1, behind tiles from T=32.
 * Dequantizing row tiles (a few MiB, cache-resident) then one GEMM per tile:
-  ~14x slower than the dense GEMV at decode for int4, but ~0.8x dense at
+  far slower than the dense GEMV at decode for int4, but close to dense at
   T=256 and the exact float32 path. For bfloat16 the tiles are dequantized
-  to bfloat16 and multiplied by oneDNN's bf16 GEMM (1.4-1.6x fp32 dense at T=256).
+  to bfloat16 and multiplied by oneDNN's bf16 GEMM (faster than fp32 dense at T=256).
 * The native int4 GEMV (native/kernels.c: integer dot products of the
   nibbles with x written as 16-bit integers per group, exact to float32
-  rounding; float16 copies of float16 scales) on SmolLM2's layers streamed
-  from memory, 2 threads: ~3 ms per pass of all 30 layers (torch's int4
-  kernel in the same flow: ~4.5 ms); at
-  T=1, in cache: gate_up 41 us against torch's 54, down 22 against 33. It
+  rounding; float16 copies of float16 scales) beats torch's int4 kernel at
+  T=1, both streaming SmolLM2's layers from memory and in cache. It
   unpacks each weight once per two rows of bf16 x and redoes the integer work
   per row otherwise (the weights stay in L1), so with bf16 it serves up to 2
   rows (even with torch's kernel at T=2, behind it from T=4) and with float32 up
-  to 32: against float32 tiles, qkv at T=8 took 160 us against 552, at T=37
-  ~the same, at T=64 1.5x longer. 2026-11-29.
+  to 32: against float32 tiles it was well ahead at T=8, even at T=37 and
+  behind at T=64.
 
 So: a few rows take the native GEMVs; half precision takes the packed kernels
 up to 160 rows and bf16 tiles beyond; float32 takes exact tiles past 32 rows.
@@ -166,20 +163,11 @@ def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     t, p = x.shape[0], w.prepared
     if t == 0:
         return x.new_zeros(0, w.out_features)
-    if isinstance(p, Int4Prepared):
-        if p.native is not None and t <= (native.INT4_GEMM_MAX_ROWS if x.dtype == torch.float32
-                                          else native.INT4_BF16_MAX_ROWS):
-            y = native.int4_gemm_prepared(x, p.native)
-            if y is not None:
-                return y if w.bias is None else y + w.bias.to(x.dtype)
+    if isinstance(p, Int4Prepared):  # the native GEMM is the fast path before this (fast_paths.linear)
         pk = p.packed
         if pk is not None and t <= INT4_KERNEL_MAX_ROWS and x.dtype == pk.scale_and_zeros.dtype:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), pk.packed, w.group_size, pk.scale_and_zeros)
             return y if w.bias is None else y + w.bias.to(x.dtype)
-    if isinstance(w, Int8GroupWeight) and t <= native.INT8_GEMV_MAX_ROWS:
-        y = native.int8_gemv(x, w.qweight, w.scales, w.group_size)
-        if y is not None:
-            return (y if w.bias is None else y + w.bias.float()).to(x.dtype)
     if isinstance(p, Int8Grouped) and t <= INT8_GROUP_KERNEL_MAX_ROWS and x.dtype == p.scales.dtype:
         return _int8_grouped(x.contiguous(), w, p)
     return _linear_in_tiles(x, w)

@@ -1,8 +1,8 @@
 """Descending order with lowest-id-first ties, without sorting the vocabulary.
 
 The contract orders tokens by value and breaks ties by lowest id (a stable
-descending sort). Sorting a [32, 152k] batch costs ~0.5 s on 2 CPU cores,
-while torch.topk of the few hundred leading entries costs milliseconds; but
+descending sort). Sorting a [32, 152k] batch costs far more than torch.topk
+of the few hundred leading entries (docs/backends/torch-measurements.md); but
 topk picks arbitrarily among values tied at its cut. So both functions here
 take values from topk and fall back to an exact pass over the row only where
 a tie straddles the cut.

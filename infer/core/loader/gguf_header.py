@@ -2,7 +2,8 @@
 
 gguf-py's `GGUFReader` turns every element of every metadata array into NumPy
 views up front: for SmolLM2's 49k-token vocabulary and 49k merges that is
-~2.4 s and ~160 MiB before a single weight is read, and the engine needs only
+a slow pass and a memory peak before a single weight is read
+(docs/backends/torch-measurements.md), and the engine needs only
 scalars from the metadata (the tokenizer comes from a cache, or from
 transformers' own GGUF conversion). This reader walks the same layout (GGUF
 v2/v3: header, key/value pairs, tensor infos, aligned data) and keeps arrays

@@ -18,10 +18,8 @@ from . import library
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 # Up to these sizes one thread running a kernel beat torch's ops on both cores of
-# the 2-core CI machine (SmolLM2 shapes, bf16 and fp32): rms_norm and rotary at
-# 256 rows took 60-80 us against 85-150; SiLU (an exp per value) lost past ~32
-# rows (64 rows: 65-85 us against 48-69). Attention: 1000 keys x 9 heads x 64
-# took 138 us against ~200.
+# a 2-core machine (SmolLM2 shapes, bf16 and fp32); SiLU (an exp per value) lost
+# past 32 rows (measurements: docs/backends/torch-measurements.md).
 MAX_ROWS = 256
 SILU_MAX_ROWS = 32
 MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
@@ -72,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         return None
     rows, n = x.shape
-    # empty_like: ~1.1 us against torch.empty's ~1.6 (a decode step makes 120 of these)
+    # empty_like: cheaper than torch.empty, and a decode step makes 120 of these
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     fn = _fn(lib, "rms_norm", x.dtype)
     if residual is None:
@@ -151,9 +149,9 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     plans it once a step). An fp8 (uint8) cache takes `kv_scales`.
 
     One thread: between torch ops that use OpenMP, the kernels' pool and torch's spinning
-    OpenMP threads take each other's cores (a dense float32 SmolLM2 decoded at ~25 tok/s
-    with the attention split across 2 threads, ~37 without). `attention_block`, where no
-    torch op runs between the kernels, splits it."""
+    OpenMP threads take each other's cores (dense float32 decode measured slower with the
+    attention split across 2 threads: docs/backends/torch-measurements.md).
+    `attention_block`, where no torch op runs between the kernels, splits it."""
     lib = _lib(q)
     fp8 = kv_cache.dtype == torch.uint8
     if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
@@ -205,7 +203,7 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
 
 INT4_GEMM_MAX_ROWS = 32
 # bf16 rows up to which the native GEMV beats torch's packed int4 kernel (it unpacks each weight
-# once per two rows; at T=2 the two were even on SmolLM2's shapes, at T=4 torch's won by 1.2-1.7x).
+# once per two rows; on SmolLM2's shapes the two were even at T=2, torch's ahead from T=4).
 INT4_BF16_MAX_ROWS = 2
 
 

@@ -1,0 +1,69 @@
+"""The torch backend's native C kernels as declared fast paths (`Backend.fast_path`).
+
+Each takes its primitive's exact arguments and returns ``NotImplemented``
+where its kernel does not apply (no compiler, a dtype, too many rows, a soft
+cap ...): the torch implementation then runs. The kernels themselves are in
+`native/` (see `native.ops` for what each accepts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...primitives.backend import FastPath
+from ...primitives.types import Int8GroupWeight
+from . import fp8_kv
+from .attention import LazyPlan
+from .native import ops as native
+from .quant_linear import Int4Prepared
+
+
+def _served(result):
+    return NotImplemented if result is None else result
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return _served(native.rms_norm(x, weight, eps, residual))
+
+
+def rotary(q, k, positions, cos_sin_cache, neox_style):
+    return _served(native.rotary(q, k, positions, cos_sin_cache, neox_style))
+
+
+def act_and_mul(x, kind):
+    return _served(native.silu_and_mul(x)) if kind == "silu" else NotImplemented
+
+
+def kv_write(k, v, kv_cache, slot_mapping, scales=None):
+    fp8, scales = fp8_kv.cache_scales(kv_cache, scales, "kv_write: scales")
+    return None if native.kv_write(k, v, kv_cache, slot_mapping, scales if fp8 else None) else NotImplemented
+
+
+def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None):
+    plan = meta.plan
+    if soft_cap is not None or not isinstance(plan, LazyPlan):
+        return NotImplemented
+    work = plan.row_keys * q.shape[1] * q.shape[2]
+    return _served(native.attention(q, kv_cache, meta, scale, sliding_window, work,
+                                    (1.0, 1.0) if kv_scales is None else kv_scales))
+
+
+def linear(x, weight):
+    """The int4 GEMM (up to its row limit) and the Q8_0 GEMV; bias added after, as the torch paths do."""
+    t, p = x.shape[0], weight.prepared
+    if isinstance(p, Int4Prepared) and p.native is not None and 0 < t <= (
+            native.INT4_GEMM_MAX_ROWS if x.dtype == torch.float32 else native.INT4_BF16_MAX_ROWS):
+        y = native.int4_gemm_prepared(x, p.native)
+        if y is not None:
+            return y if weight.bias is None else y + weight.bias.to(x.dtype)
+    if isinstance(weight, Int8GroupWeight) and 0 < t <= native.INT8_GEMV_MAX_ROWS:
+        y = native.int8_gemv(x, weight.qweight, weight.scales, weight.group_size)
+        if y is not None:
+            return (y if weight.bias is None else y + weight.bias.float()).to(x.dtype)
+    return NotImplemented
+
+
+NATIVE = {name: FastPath("native", fn) for name, fn in
+          (("rms_norm", rms_norm), ("rotary", rotary), ("act_and_mul", act_and_mul), ("kv_write", kv_write),
+           ("attention", attention), ("linear", linear))}
+QUANTIZED_LINEAR_KINDS = ("int4_group", "int8_group")

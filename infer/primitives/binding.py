@@ -1,0 +1,106 @@
+"""How each primitive is called: one table read by the model runner and the conformance harness.
+
+`SIGNATURES` lists every argument of every primitive in order, with where the
+caller finds it:
+
+  value   a tensor computed in this step (an activation, the positions, logits)
+  weight  a model parameter (a linear's prepared `WeightHandle`, a norm's weight)
+  attr    a constant of the call (eps, scale, activation kind, top_k, ...)
+  layer   the layer's state (`LayerContext`: KV cache, rope table, fp8 scales)
+  step    per-step data (`AttentionMetadata`, its slot_mapping, `SamplingTensors`)
+
+`dispatch_key` derives, from the same facts, the static properties the
+resolver asks a backend about (``supports(primitive, **key)``). Both callers
+use these two, so the runtime and the tests cannot call a primitive two ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .types import WeightHandle
+
+SOURCES = ("value", "weight", "attr", "layer", "step")
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    name: str
+    source: str
+    optional: bool = False  # has a default (None) in the contract's signature
+
+
+def _sig(*args: str) -> tuple[Arg, ...]:
+    """'name:source', a trailing '?' marks an optional argument."""
+    out = []
+    for a in args:
+        name, source = a.rstrip("?").split(":")
+        assert source in SOURCES, a
+        out.append(Arg(name, source, a.endswith("?")))
+    return tuple(out)
+
+
+SIGNATURES: dict[str, tuple[Arg, ...]] = {
+    "embedding": _sig("ids:value", "table:weight"),
+    "rms_norm": _sig("x:value", "weight:weight", "eps:attr", "residual:value?"),
+    "linear": _sig("x:value", "weight:weight"),
+    "rotary": _sig("q:value", "k:value", "positions:value", "cos_sin_cache:layer", "neox_style:attr"),
+    "act_and_mul": _sig("x:value", "kind:attr"),
+    "kv_write": _sig("k:value", "v:value", "kv_cache:layer", "slot_mapping:step", "scales:layer?"),
+    "attention": _sig("q:value", "kv_cache:layer", "meta:step", "scale:attr", "sliding_window:attr?",
+                      "soft_cap:attr?", "kv_scales:layer?"),
+    "moe": _sig("x:value", "router_logits:value", "w13:weight", "w2:weight", "top_k:attr", "renormalize:attr",
+                "shared:value?", "shared_gate:value?"),
+    "sample": _sig("logits:value", "params:step"),
+    "all_reduce": _sig("x:value", "group:attr?"),
+    "all_gather": _sig("x:value", "dim:attr?", "group:attr?"),
+}
+
+
+def arguments(primitive: str, named: Mapping[str, Any]) -> list[Any]:
+    """The positional arguments of a call from arguments by name.
+
+    A missing optional argument is None, and trailing Nones are left off, so
+    a backend sees exactly the contract's defaults (and a contract-v1 backend
+    whose attention has no ``kv_scales`` is not given one it would not take).
+    """
+    sig = SIGNATURES[primitive]
+    unknown = set(named) - {a.name for a in sig}
+    if unknown:
+        raise TypeError(f"{primitive} takes no argument(s) {sorted(unknown)}")
+    args = []
+    for a in sig:
+        if a.name not in named and not a.optional:
+            raise TypeError(f"{primitive} needs argument '{a.name}' ({a.source})")
+        args.append(named.get(a.name))
+    while args and args[-1] is None and sig[len(args) - 1].optional:
+        args.pop()
+    return args
+
+
+def dispatch_key(primitive: str, *, dtype: str, named: Mapping[str, Any] = {}, kv_cache_dtype: str = "auto",
+                 head_dim: int | None = None) -> dict[str, Any]:
+    """The static properties `Backend.supports` is asked about for one call site.
+
+    `named` holds the call's constant arguments by name (weights and attrs; a
+    value argument only needs to be present, as for moe's ``shared``).
+    """
+    key: dict[str, Any] = {"dtype": dtype}
+    if primitive == "linear":
+        key["weight_kind"] = named["weight"].kind
+    elif primitive == "embedding" and isinstance(named.get("table"), WeightHandle):
+        key["weight_kind"] = named["table"].kind
+    elif primitive == "moe" and named.get("shared") is not None:
+        key["shared_expert"] = True
+    elif primitive == "attention":
+        key.update(head_dim=head_dim, sliding_window=named.get("sliding_window") is not None,
+                   soft_cap=named.get("soft_cap") is not None)
+    if primitive in ("kv_write", "attention") and kv_cache_dtype != "auto":
+        key["kv_cache_dtype"] = kv_cache_dtype
+    return key
+
+
+def value_args(primitive: str) -> Sequence[str]:
+    """Names of the arguments computed in the step (the graph's inputs of a call)."""
+    return [a.name for a in SIGNATURES[primitive] if a.source == "value"]
