@@ -42,3 +42,14 @@ def require_smollm2() -> None:
         if os.environ.get("CI"):
             raise
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama-3 (transformers) and the HF directory it was saved to."""
+    from tiny_models import make_model
+
+    model, _, _ = make_model("llama3")
+    path = tmp_path_factory.mktemp("tiny-llama3")
+    model.save_pretrained(path)
+    return model, str(path)

@@ -17,7 +17,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_model
 from tiny_moe_models import save_moe_model
 
 from infer.backends.cuda.graphs import DecodeGraphs
@@ -31,14 +30,6 @@ from infer.core.sampling_params import SamplingParams
 from infer.primitives.types import AttentionMetadata
 
 VOCAB = 211
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    model, _, _ = make_model("llama3")
-    path = tmp_path_factory.mktemp("tiny-graphs")
-    model.save_pretrained(path)
-    return model, str(path)
 
 
 def greedy(model, prompt, n):
@@ -70,8 +61,8 @@ def make(path, leak_check, **kw):
     return llm
 
 
-def test_decode_steps_padded_into_captured_sizes_give_transformers_tokens(tiny, static_graphs, leak_check):
-    model, path = tiny
+def test_decode_steps_padded_into_captured_sizes_give_transformers_tokens(tiny_llama, static_graphs, leak_check):
+    model, path = tiny_llama
     llm = make(path, leak_check)
     asked = static_graphs[0]
     assert asked["batch_sizes"] == (1, 2, 4, 8) and asked["max_model_len"] == llm.engine.max_model_len
@@ -87,10 +78,10 @@ def test_decode_steps_padded_into_captured_sizes_give_transformers_tokens(tiny, 
     assert graphs.replays >= 11  # every decode step but none of the prefills
 
 
-def test_a_one_token_prompt_chunk_in_a_decode_shaped_step_samples_nothing(tiny, static_graphs, leak_check):
+def test_a_one_token_prompt_chunk_in_a_decode_shaped_step_samples_nothing(tiny_llama, static_graphs, leak_check):
     """Three requests decoding and a long prompt's first chunk of one token (budget 4):
     every row has one query, so the step goes to the graphs, but only three rows sample."""
-    model, path = tiny
+    model, path = tiny_llama
     llm = make(path, leak_check, max_num_seqs=4, max_num_batched_tokens=4)
     engine, graphs = llm.engine, llm.engine.decode_graphs
     seen = []
@@ -120,12 +111,12 @@ def test_a_one_token_prompt_chunk_in_a_decode_shaped_step_samples_nothing(tiny, 
     assert done == {**{f"s{i}": greedy(model, p, 8) for i, p in enumerate(short)}, "long": greedy(model, long, 8)}
 
 
-def test_one_token_prefill_chunks_run_through_the_graphs_and_only_prompt_ends_sample(tiny, static_graphs,
+def test_one_token_prefill_chunks_run_through_the_graphs_and_only_prompt_ends_sample(tiny_llama, static_graphs,
                                                                                        leak_check):
     """long_prefill_token_threshold=1 cuts every prompt into one-token chunks, so every step
     has one query per request and goes to the graphs: rows that do not sample (a prompt's
     inner tokens) sit anywhere in the batch, and the engine must sample the right rows."""
-    model, path = tiny
+    model, path = tiny_llama
     llm = make(path, leak_check, long_prefill_token_threshold=1)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (9, 2, 5, 3)]
@@ -136,10 +127,10 @@ def test_one_token_prefill_chunks_run_through_the_graphs_and_only_prompt_ends_sa
     assert graphs.replays == max(len(p) + 5 - 1 for p in prompts)  # every step, prefill included
 
 
-def test_preemption_forks_and_seeded_sampling_give_what_eager_steps_give(tiny, static_graphs, leak_check):
+def test_preemption_forks_and_seeded_sampling_give_what_eager_steps_give(tiny_llama, static_graphs, leak_check):
     """Small blocks (wide block tables), a pool too small for every request (preemption and
     recompute), n=3 forks sharing blocks copy-on-write, seeded sampling with logprobs."""
-    _, path = tiny
+    _, path = tiny_llama
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(3, VOCAB, n).tolist()} for n in (21, 5, 37, 16)]
     params = [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=14, ignore_eos=True, logprobs=2,
@@ -176,14 +167,14 @@ def test_moe_expert_counts_leave_the_padding_out(tmp_path, static_graphs, leak_c
     assert got[False][1].sum(axis=1).tolist() == [2 * ran] * got[False][1].shape[0]
 
 
-def test_enforce_eager_asks_the_backend_for_no_graphs(tiny, static_graphs, leak_check):
-    _, path = tiny
+def test_enforce_eager_asks_the_backend_for_no_graphs(tiny_llama, static_graphs, leak_check):
+    _, path = tiny_llama
     llm = make(path, leak_check, enforce_eager=True)
     assert llm.engine.decode_graphs is None and not static_graphs
 
 
-def test_cuda_graph_sizes_are_what_the_backend_captures(tiny, static_graphs, leak_check):
-    _, path = tiny
+def test_cuda_graph_sizes_are_what_the_backend_captures(tiny_llama, static_graphs, leak_check):
+    _, path = tiny_llama
     llm = make(path, leak_check, cuda_graph_sizes=[3, 1])
     assert static_graphs[0]["batch_sizes"] == (1, 3)
     assert sorted(llm.engine.decode_graphs.pad_counts) == [1, 3]
@@ -193,8 +184,8 @@ def test_cuda_graph_sizes_are_what_the_backend_captures(tiny, static_graphs, lea
     assert not llm.engine.decode_graphs.can_replay(meta)
 
 
-def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny, monkeypatch, caplog, leak_check):
-    model, path = tiny
+def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny_llama, monkeypatch, caplog, leak_check):
+    model, path = tiny_llama
 
     def broken(self, forward, **kw):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -209,13 +200,13 @@ def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny, monkeypa
     assert out[0].outputs[0].token_ids == greedy(model, [5, 6, 7], 3)
 
 
-def test_the_torch_backend_captures_nothing(tiny, leak_check):
-    _, path = tiny
+def test_the_torch_backend_captures_nothing(tiny_llama, leak_check):
+    _, path = tiny_llama
     assert make(path, leak_check).engine.decode_graphs is None
 
 
-def test_which_steps_can_replay(tiny, leak_check):
-    _, path = tiny
+def test_which_steps_can_replay(tiny_llama, leak_check):
+    _, path = tiny_llama
     runner = make(path, leak_check, max_model_len=64).engine.runner
     graphs = DecodeGraphs(runner.forward, "cpu", max_model_len=64, block_size=16, batch_sizes=(1, 4), use_graphs=False)
 
@@ -231,8 +222,8 @@ def test_which_steps_can_replay(tiny, leak_check):
     assert not graphs.can_replay(meta([], []))
 
 
-def test_cuda_graphs_need_a_cuda_device(tiny, leak_check):
-    _, path = tiny
+def test_cuda_graphs_need_a_cuda_device(tiny_llama, leak_check):
+    _, path = tiny_llama
     runner = make(path, leak_check).engine.runner
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
         DecodeGraphs(runner.forward, "cpu", max_model_len=64, block_size=16, batch_sizes=(1,))

@@ -28,19 +28,10 @@ from infer.primitives.backend import FastPath
 from infer.registry import BackendInfo, build_registry
 
 from conftest import require_smollm2
-from tiny_models import make_model
 
 HERE = Path(__file__).resolve().parent
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    model, _, _ = make_model("llama3")
-    path = tmp_path_factory.mktemp("tiny-dispatch")
-    model.save_pretrained(path)
-    return model, str(path)
 
 
 def table(trace: DispatchTrace) -> dict[tuple[str, str], dict[str, int]]:
@@ -124,8 +115,8 @@ def test_with_infer_native_0_the_torch_primitives_serve_every_call():
     assert calls[("mlp", "act_and_mul")] == ("torch", steps * 30)
 
 
-def test_cpu_ref_serves_every_call_itself(tiny, leak_check):
-    _, path = tiny
+def test_cpu_ref_serves_every_call_itself(tiny_llama, leak_check):
+    _, path = tiny_llama
     llm = LLM(path, backend="cpu_ref", skip_tokenizer_init=True, trace_dispatch=True)
     leak_check.append(llm.engine)
     llm.generate([PROMPT], GREEDY, use_tqdm=False)
@@ -148,10 +139,10 @@ print(json.dumps(llm.engine.dispatch_trace.rows()))
 """
 
 
-def test_cuda_in_the_interpreter_runs_its_kernels_and_torch_for_the_rest(tiny):
+def test_cuda_in_the_interpreter_runs_its_kernels_and_torch_for_the_rest(tiny_llama):
     import json
 
-    _, path = tiny
+    _, path = tiny_llama
     res = subprocess.run([sys.executable, "-c", CUDA_TRACE, path], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -201,8 +192,8 @@ def _v1_backend():
     return V1Chip
 
 
-def test_a_contract_v1_backend_still_serves_the_engine(tiny, monkeypatch, leak_check):
-    _, path = tiny
+def test_a_contract_v1_backend_still_serves_the_engine(tiny_llama, monkeypatch, leak_check):
+    _, path = tiny_llama
     reference = LLM(path, backend="torch", skip_tokenizer_init=True)
     leak_check.append(reference.engine)
     want = reference.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
