@@ -61,6 +61,9 @@ def test_backends_lists_every_backend_with_its_declarations(capsys):
     assert "11 native" in out  # cpu_ref implements everything
     assert "[2, num_blocks, block_size, num_kv_heads, head_dim]" in out
     assert "torch CPU kernels" in out and ("built (" in out or "unavailable:" in out or "off (" in out)
+    if "built (" in out:  # the torch row names the primitives its native kernels may serve first
+        torch_row = next(line for line in out.splitlines() if line.startswith("│ torch "))
+        assert "fast path native: rms_norm, rotary, act_and_mul, kv_write, attention" in torch_row
 
 
 def test_backends_explains_why_a_backend_is_unavailable(capsys):

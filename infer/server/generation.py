@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from ..core.async_engine import EngineDeadError
 from ..core.outputs import CompletionOutput, Logprob, RequestOutput
 from ..core.sampling_params import SamplingParams
-from .errors import APIError, error_body
+from .errors import APIError, error_body, log
 from .models import ServedModel
 
 T = TypeVar("T")
@@ -165,6 +165,9 @@ async def sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield sse(error_body(exc.status, exc.message, exc.param))
     except EngineDeadError as exc:
         yield sse(error_body(503, str(exc)))
+    except Exception:  # a bug: the client still gets an error and the end of the stream, not a cut connection
+        log.exception("unhandled error in a stream")
+        yield sse(error_body(500, "internal server error; see the server log"))
     yield sse("[DONE]")
 
 

@@ -115,7 +115,17 @@ _SAMPLE_SPECS = [
     # filter that drops one is very likely to be caught by some row's noise).
     ("top_k_ties_all_kept", dict(b=8, temperature=1.0, top_k=2, ties=3)),
     ("top_p", dict(temperature=1.0, top_p=[0.1, 0.5, 0.9, 1.0])),
+    # Exact boundaries: top_k 4 leaves the 4 ties, renormalised to exactly 1/4
+    # each, so top_p 0.5 sits on a cumulative sum (keeps 2: preceding mass < top_p).
+    ("top_p_ties_exact_boundary", dict(b=8, temperature=0.7, top_k=4, top_p=0.5, ties=4)),
+    ("top_p_ties_each_boundary", dict(b=8, temperature=1.3, top_k=4, ties=4,
+                                      top_p=[0.25, 0.5, 0.75, 0.25, 0.5, 0.75, 1.0, 0.5])),
     ("min_p", dict(temperature=1.0, min_p=[0.05, 0.2, 0.5, 0.0])),
+    # min_p 1 keeps exactly the tokens tied with the maximum (prob >= max prob).
+    ("min_p_one_keeps_ties", dict(b=8, temperature=0.6, min_p=1.0, ties=3)),
+    # The top logit is 2 above the runner-up: after temperature 2 (or 1.5) the
+    # runner-up's ratio is e^-1 (e^-1.33), kept by min_p 0.25; before, e^-2 is not.
+    ("min_p_after_temperature", dict(b=8, temperature=[2.0, 1.5] * 4, min_p=0.25, ties=1)),
     ("top_k_top_p_min_p", dict(temperature=0.9, top_k=[5, 20, 0, 8], top_p=[0.8, 0.6, 0.95, 1.0], min_p=[0.1, 0.0, 0.05, 0.2])),
     ("penalties", dict(temperature=[0.0, 0.0, 0.0, 0.8], penalties=True)),
     ("logit_bias", dict(temperature=[0.0, 1.0, 0.0, 0.8], logit_bias=True)),
