@@ -21,7 +21,6 @@ from ...primitives.types import Int4GroupWeight, Int8GroupWeight, WeightHandle
 BLOCK = 32
 # ggml type name -> bytes per block of 32 values
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-KEPT_TYPES = tuple(BLOCK_BYTES)
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
