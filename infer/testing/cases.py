@@ -114,6 +114,7 @@ _SAMPLE_SPECS = [
     # Three ids tie for the top and k=2: all three stay candidates (8 rows so a
     # filter that drops one is very likely to be caught by some row's noise).
     ("top_k_ties_all_kept", dict(b=8, temperature=1.0, top_k=2, ties=3)),
+    ("top_k_ties_all_kept_temperature", dict(b=8, temperature=[0.6, 1.7] * 4, top_k=3, ties=4)),
     ("top_p", dict(temperature=1.0, top_p=[0.1, 0.5, 0.9, 1.0])),
     # Exact boundaries: top_k 4 leaves the 4 ties, renormalised to exactly 1/4
     # each, so top_p 0.5 sits on a cumulative sum (keeps 2: preceding mass < top_p).

@@ -1,0 +1,88 @@
+"""Loader details the model tests do not reach: byte counts (the load progress
+bar's total) for every readable dtype and for fused experts, config defaults,
+and a chat template kept in its own JSON file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny_moe_models import save_moe_model
+from tiny_models import make_model
+
+from infer.core.loader import open_checkpoint, resolve_model_path
+from infer.core.loader.config import normalize_config
+from infer.core.loader.hf_dir import HFCheckpoint
+from infer.core.loader.safetensors_file import read_header
+from infer.core.models.moe import moe_spec
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def test_every_readable_dtype_counts_its_stored_bytes(tmp_path):
+    tensors = {name: torch.zeros(3, 5, dtype=dt) for name, dt in DTYPES.items()}
+    save_file(tensors, tmp_path / "t.safetensors")
+    entries = read_header(tmp_path / "t.safetensors")
+    assert {n: e.dtype for n, e in entries.items()} == {n: n for n in DTYPES}
+    assert {n: e.nbytes for n, e in entries.items()} == {n: t.numel() * t.element_size() for n, t in tensors.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_tensor_of_a_checkpoint_counts_its_stored_bytes(tmp_path, dtype):
+    model, _, _ = make_model("qwen2")
+    model.to(dtype).save_pretrained(tmp_path)
+    ckpt = open_checkpoint(tmp_path)
+    stored = {name: t.numel() * t.element_size() for name, t in model.state_dict().items()}
+    assert {name: ckpt.nbytes(name) for name in ckpt.names} == {n: stored[n] for n in ckpt.names}
+
+
+def test_fused_experts_count_the_bytes_of_every_expert_they_read(tmp_path):
+    save_moe_model("mixtral", tmp_path)  # float32, one tensor per expert and projection
+    ckpt = open_checkpoint(tmp_path)
+    fused = [n for n in ckpt.names if ".experts." in n]
+    assert fused
+    for name in fused:
+        assert ckpt.nbytes(name) == ckpt.read(name).size * 4, name
+
+
+def test_a_config_without_tie_word_embeddings_does_not_tie():
+    """The class default of every supported architecture; a hand-written config may omit it."""
+    cfg = normalize_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4})
+    assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 4 and cfg["head_dim"] == 16
+
+
+def test_chat_template_is_read_from_chat_template_json(tmp_path):
+    make_model("qwen2")[0].save_pretrained(tmp_path)
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert HFCheckpoint(tmp_path).chat_template() == "{{ messages }}"
+
+
+def test_a_qwen_moe_config_with_no_experts_has_no_sparse_layer():
+    """transformers' rule: a layer is sparse only when num_experts > 0."""
+    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 0, "num_experts_per_tok": 1,
+           "moe_intermediate_size": 8}
+    assert moe_spec(cfg, 4).sparse_layers == frozenset()
+    assert moe_spec(cfg | {"num_experts": 4}, 4).sparse_layers == frozenset(range(4))
+
+
+def test_a_file_of_an_hf_directory_stands_for_the_directory(tmp_path):
+    make_model("qwen2")[0].save_pretrained(tmp_path)
+    whole = resolve_model_path(tmp_path)
+    assert resolve_model_path(tmp_path / "model.safetensors") == whole
+    assert resolve_model_path(tmp_path / "config.json") == whole
+
+
+def test_reading_casts_float_tensors_to_the_load_dtype_and_leaves_integer_ones(tmp_path):
+    from infer.core.loader.load import _read
+
+    class Checkpoint:
+        def read(self, name):
+            return {"w": np.ones(3, np.float32), "ids": np.arange(3, dtype=np.int32)}[name]
+
+    assert _read(Checkpoint(), "w", np.dtype(np.float16)).dtype == np.float16
+    assert _read(Checkpoint(), "ids", np.dtype(np.float16)).dtype == np.int32
