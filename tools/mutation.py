@@ -5,8 +5,9 @@ tree is never written, so it can run beside other work), then the fast tests
 of the mutated module run there with ``-x``; the mutant is killed when one
 fails (or when the run times out: an endless loop counts as noticed).
 
-  hand  HAND below: one-line bugs an engineer could plausibly write, each with
-        the tests meant to catch it. The figure the suite is held to (>= 95%).
+  hand  HAND (in mutation_tables.py, with TESTS and EQUIVALENT): one-line bugs
+        an engineer could plausibly write, each with the test meant to catch it.
+        The figure the suite is held to (>= 95%).
   auto  operators applied by an AST walk to every module of infer/core,
         infer/primitives and infer/backends/cpu_ref: comparison and boundary
         flips, arithmetic swaps, off-by-one constants, and/or, dropped `not`,
@@ -17,7 +18,8 @@ fails (or when the run times out: an endless loop counts as noticed).
 Run locally, not in CI (minutes to an hour); nice it, the tests are CPU-bound:
 
   nice -n 10 .venv/bin/python tools/mutation.py hand
-  nice -n 10 .venv/bin/python tools/mutation.py auto --per-module 6 --budget-s 2400
+  nice -n 10 .venv/bin/python tools/mutation.py auto --per-module 4 --budget-s 2400 --json /tmp/m.json
+  nice -n 10 .venv/bin/python tools/mutation.py auto --rerun /tmp/m.json   # its survivors, after new tests
   .venv/bin/python tools/mutation.py auto --module infer/core/detokenizer.py --per-module 0  # all of one
   .venv/bin/python tools/mutation.py list infer/core/scheduler.py   # its mutants, not run
 
@@ -42,59 +44,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mutation_tables import ENGINE, EQUIVALENT, HAND, TESTS, TOO_SLOW  # beside this script: on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("infer/core", "infer/primitives", "infer/backends/cpu_ref")
-# A fast-suite test that alone takes minutes here: per mutant it would cost more than all the others.
-TOO_SLOW = ["tests/test_engine.py::test_greedy_output_does_not_depend_on_scheduling"]
 PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", "--hypothesis-seed=0", "-W", "ignore",
                *(f"--deselect={t}" for t in TOO_SLOW)]
-
-# -- which fast tests guard which module (most likely killers first: -x stops at the first failure) ----------
-SCHED = ["tests/test_scheduler_edges.py", "tests/test_scheduler.py", "tests/test_block_manager.py"]
-ENGINE = ["tests/test_nonascii_output.py", "tests/test_detokenizer_multibyte.py", "tests/test_engine.py",
-          "tests/test_async_engine.py", "tests/test_stream_errors.py"]
-KERNELS = ["tests/test_sampling_boundaries.py", "tests/test_cpu_ref.py", "tests/test_conformance.py",
-           "tests/test_properties.py"]
-MODELS = ["tests/test_model_logits.py", "tests/test_loader.py", "tests/test_engine.py"]
-TESTS = {
-    "infer/core/block_manager.py": SCHED + ["tests/test_engine.py"],
-    "infer/core/scheduler.py": SCHED + ["tests/test_engine.py"],
-    "infer/core/scheduler_output.py": SCHED + ["tests/test_engine.py"],
-    "infer/core/request.py": SCHED + ENGINE,
-    "infer/core/config.py": ["tests/test_cache_config.py", *SCHED, "tests/test_kv_sizing.py", "tests/test_engine.py"],
-    "infer/core/detokenizer.py": ENGINE,
-    "infer/core/request_state.py": ENGINE,
-    "infer/core/sampling_params.py": ["tests/test_sampling_boundaries.py", *ENGINE],
-    "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE],
-    "infer/core/outputs.py": ["tests/test_outputs.py", *ENGINE],
-    "infer/core/engine.py": ENGINE,
-    "infer/core/llm.py": ENGINE,
-    "infer/core/async_engine.py": ["tests/test_async_engine.py", "tests/test_stream_errors.py",
-                                   "tests/test_nonascii_output.py", "tests/test_server_metrics.py"],
-    "infer/core/model_runner.py": ["tests/test_model_logits.py", "tests/test_model_variants.py", "tests/test_engine.py",
-                                   "tests/test_decode_graphs.py", "tests/test_quant_hf.py"],
-    "infer/core/graph.py": ["tests/test_graph.py", "tests/test_program_export.py", "tests/test_decode_graphs.py",
-                            "tests/test_engine.py"],
-    "infer/core/lowering.py": ["tests/test_graph.py", "tests/test_program_export.py", "tests/test_model_logits.py",
-                               "tests/test_engine.py"],
-    "infer/core/rope.py": ["tests/test_graph.py", "tests/test_model_logits.py", "tests/test_engine.py"],
-    "infer/core/memory.py": ["tests/test_kv_sizing.py", "tests/test_engine.py"],
-    "infer/core/expert_load.py": ["tests/test_expert_load.py", "tests/test_moe_stats.py",
-                                  "tests/test_server_metrics.py"],
-    "infer/core/xy_plan.py": ["tests/test_plan_defaults.py", "tests/test_planner.py"],
-    "infer/core/onnx_export.py": ["tests/test_program_export.py", "tests/test_graph.py"],
-    "infer/core/quant_params.py": ["tests/test_quant.py", "tests/test_quant_hf.py"],
-    "infer/core/models/": ["tests/test_model_logits.py", "tests/test_model_variants.py", "tests/test_loader_edges.py",
-                           "tests/test_cache_config.py", "tests/test_moe_models.py", "tests/test_engine.py"],
-    "infer/core/loader/": ["tests/test_loader_edges.py", "tests/test_loader.py", "tests/test_gguf_header.py",
-                           "tests/test_quant_hf.py", "tests/test_quant.py", "tests/test_moe_models.py"],
-    "infer/primitives/": ["tests/test_int4_packing.py", "tests/test_backend_memory.py", *KERNELS,
-                          "tests/test_registry.py", "tests/test_quant.py"],
-    "infer/backends/cpu_ref/": KERNELS + ["tests/test_moe_primitive.py", "tests/test_quant.py"],
-    "infer/backends/torch_native/": KERNELS + ["tests/test_torch_backend.py"],
-    "infer/server/": ["tests/test_stream_errors.py", "tests/test_nonascii_output.py", "tests/test_server_metrics.py",
-                      "tests/test_server.py"],
-}
 
 
 def tests_for(path: str) -> list[str]:
@@ -104,132 +59,6 @@ def tests_for(path: str) -> list[str]:
     return TESTS[folder] if folder else ENGINE
 
 
-# -- hand-made mutants: (id, file, text, its replacement, what the bug does, the test meant to catch it) ---
-HAND = [
-    ("detok-utf8-guard", "infer/core/detokenizer.py",
-     'if len(full) <= len(prefix) or full.endswith("\\ufffd"):', "if len(full) <= len(prefix):",
-     "emits partial UTF-8 as U+FFFD", "tests/test_detokenizer_multibyte.py"),
-    ("detok-offsets", "infer/core/detokenizer.py",
-     "self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)",
-     "self._read_offset = len(self._ids)",
-     "the decode window never slides", "tests/test_detokenizer_multibyte.py"),
-    ("stop-span", "infer/core/detokenizer.py",
-     "start = max(0, len(text) - new_chars - len(stop) + 1)", "start = max(0, len(text) - new_chars)",
-     "misses stop strings spanning tokens", "tests/test_detokenizer_multibyte.py"),
-    ("sse-done-on-error", "infer/server/generation.py",
-     "        yield sse(error_body(503, str(exc)))\n",
-     "        yield sse(error_body(503, str(exc)))\n        return\n",
-     "a dead engine ends the stream without [DONE]", "tests/test_stream_errors.py"),
-    ("chat-usage", "infer/server/chat.py",
-     "completion_tokens += len(tokens)", "completion_tokens = len(tokens)",
-     "chat include_usage counts the last delta only", "tests/test_nonascii_output.py"),
-    ("top-p-boundary", "infer/backends/cpu_ref/sampling.py",
-     "keep[order[preceding < top_p]] = True", "keep[order[preceding <= top_p]] = True",
-     "top_p keeps the token that reaches top_p exactly", "tests/test_sampling_boundaries.py"),
-    ("top-p-boundary-torch", "infer/backends/torch_native/ranking.py",
-     "n = (preceding < limit)", "n = (preceding <= limit)",
-     "same, in the torch backend", "tests/test_sampling_boundaries.py"),
-    ("min-p-before-temperature", "infer/backends/cpu_ref/sampling.py",
-     "        probs = softmax(x)\n        x = np.where(probs >= min_p",
-     "        probs = softmax(x * float(p.temperature[b]))\n        x = np.where(probs >= min_p",
-     "min_p on the untempered logits", "tests/test_sampling_boundaries.py"),
-    ("min-p-strict", "infer/backends/cpu_ref/sampling.py",
-     "probs >= min_p * probs.max()", "probs > min_p * probs.max()",
-     "min_p drops tokens tied with the maximum", "tests/test_sampling_boundaries.py"),
-    ("top-k-strict", "infer/backends/cpu_ref/sampling.py",
-     "x = np.where(x >= kth, x, -np.inf)", "x = np.where(x > kth, x, -np.inf)",
-     "top_k drops the k-th value", "tests/test_sampling_boundaries.py"),
-    ("top-k-off-by-one", "infer/backends/cpu_ref/sampling.py",
-     "kth = np.sort(x)[::-1][top_k - 1]", "kth = np.sort(x)[::-1][top_k]",
-     "top_k keeps k+1", "tests/test_sampling_boundaries.py"),
-    ("repetition-penalty-sign", "infer/backends/cpu_ref/sampling.py",
-     "np.where(x[seen] > 0, x[seen] / r, x[seen] * r)", "np.where(x[seen] > 0, x[seen] * r, x[seen] / r)",
-     "rewards repeated tokens", "tests/test_conformance.py"),
-    ("presence-as-frequency", "infer/backends/cpu_ref/sampling.py",
-     "float(p.presence_penalty[b]) * (counts > 0)", "float(p.presence_penalty[b]) * counts",
-     "presence penalty scales with the count", "tests/test_sampling_boundaries.py"),
-    ("rank-ties", "infer/backends/cpu_ref/sampling.py",
-     "out.ranks = 1 + (raw > raw", "out.ranks = 1 + (raw >= raw",
-     "ranks count the token itself", "tests/test_conformance.py"),
-    ("admit-zero-budget", "infer/core/scheduler.py",
-     "while self.waiting and not preempted and budget > 0", "while self.waiting and not preempted and budget >= 0",
-     "admits waiting requests with 0 tokens", "tests/test_scheduler_edges.py"),
-    ("running-zero-budget", "infer/core/scheduler.py",
-     "if budget == 0 or len(num_new) == cfg.max_num_seqs:", "if len(num_new) == cfg.max_num_seqs:",
-     "schedules running requests for 0 tokens", "tests/test_scheduler_edges.py"),
-    ("victim-oldest", "infer/core/scheduler.py",
-     "return self.running[-1]  # the newest admitted", "return self.running[0]",
-     "fcfs preempts the oldest request", "tests/test_scheduler.py"),
-    ("cache-uncomputed", "infer/core/block_manager.py",
-     "num_full = min(request.num_computed_tokens // self.block_size",
-     "num_full = min(request.num_tokens // self.block_size",
-     "caches a block holding a token with no KV", "tests/test_scheduler_edges.py"),
-    ("last-token-hit", "infer/core/block_manager.py",
-     "(request.num_tokens - 1) // self.block_size", "request.num_tokens // self.block_size",
-     "the last prompt token can be a cache hit", "tests/test_block_manager.py"),
-    ("free-order", "infer/core/block_manager.py",
-     "for block in reversed(blocks):", "for block in blocks:",
-     "a freed prefix's head is evicted first", "tests/test_block_manager.py"),
-    ("evictable-hits", "infer/core/block_manager.py",
-     "num_evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)", "num_evictable_hits = 0",
-     "over-commits the pool with cached free blocks", "tests/test_block_manager.py"),
-    ("stream-abort", "infer/core/async_engine.py",
-     "            if not finished:  # the consumer left early", "            if finished:  # the consumer left early",
-     "an abandoned stream is never aborted", "tests/test_stream_errors.py"),
-    ("delta-hold", "infer/server/generation.py",
-     "self.hold = max((len(s) for s in stops), default=1) - 1", "self.hold = 0",
-     "streams the start of a stop string before it is cut", "tests/test_server.py"),
-]
-
-# -- auto mutants that cannot be killed: (file, original line, mutated line) -> why --------------------------
-EQUIVALENT: dict[tuple[str, str, str], str] = {
-    ("infer/core/llm.py", "use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:",
-     "use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:"):
-        "the progress bar's default: display on stderr only",
-    ("infer/core/memory.py",
-     "gc.collect() # objects in reference cycles (a GGUF reader's) hold their memory until collected",
-     "pass # objects in reference cycles (a GGUF reader's) hold their memory until collected"):
-        "when cyclic garbage is freed changes the RSS, never a result",
-    ("infer/core/sampling_batch.py", "width = max((len(r) for r in rows), default=0)",
-     "width = max((len(r) for r in rows), default=1)"):
-        "the next line takes max(width, 1): defaults 0 and 1 give the same array",
-    ("infer/core/scheduler_output.py", "request: Request = field(repr=False)", "request: Request = field(repr=True)"):
-        "repr only",
-    ("infer/core/memory.py", "ctypes.CDLL(None).malloc_trim(0)", "ctypes.CDLL(None).malloc_trim(1)"):
-        "malloc_trim's pad argument: how much heap glibc keeps, RSS only",
-    ("infer/core/request.py", "FINISHED_ABORTED = 5", "FINISHED_ABORTED = 6"):
-        "the last status's number: order kept, nothing reads the value",
-    ("infer/core/memory.py", "ctypes.CDLL(None).malloc_trim(0)", "pass"): "returns heap pages to the OS: RSS only",
-    ("infer/core/llm.py", "bar.update(1)", "bar.update(0)"): "the progress bar: display only",
-    ("infer/core/request.py", "num_preemptions: int = 0", "num_preemptions: int = 1"):
-        "Request.num_preemptions is counted but nothing reads it (the scheduler's total is what is reported)",
-    ("infer/backends/cpu_ref/sampling.py", "if 0 < top_k < x.shape[0]:", "if 0 < top_k <= x.shape[0]:"):
-        "top_k equal to the vocabulary keeps every token, filtered or not",
-    ("infer/core/sampling_batch.py", "out = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)",
-     "out = np.full((len(rows), max(width, 0)), -1, dtype=np.int64)"):
-        "cpu_ref and torch read a [B, 0] id array as no ids, like a [B, 1] of -1 (a kernel might not)",
-    ("infer/core/config.py",
-     "return tuple(sorted({s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) "
-     "if s <= max_num_seqs} | {max_num_seqs}))",
-     "return tuple(sorted({s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) "
-     "if s < max_num_seqs} | {max_num_seqs}))"):
-        "the union with {max_num_seqs} on the same line adds back the one size `<` drops",
-    ("infer/core/loader/config.py",
-     'hint = " (NumPy has no bfloat16)" if "bfloat16" in name or name == "bf16" else ""',
-     'hint = " (NumPy has no bfloat16)" if "bfloat16" in name or name != \'bf16\' else ""'):
-        "the wording of an error message's hint",
-    ("infer/core/loader/hf_dir.py",
-     "return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True, trust_remote_code=False)",
-     "return AutoTokenizer.from_pretrained(str(self.path), local_files_only=False, trust_remote_code=False)"):
-        "from_pretrained of an existing local directory reads only that directory either way",
-    ("infer/core/engine.py", "weights.close()", "pass"): "closes the load's progress bar: display only",
-    ("infer/core/loader/load.py", "self._bar.update(self._ckpt.nbytes(name))", "pass"):
-        "the progress bar: display only",
-    ("infer/core/request.py", "block_hashes: list[bytes] = field(init=False, repr=False)",
-     "block_hashes: list[bytes] = field(init=False, repr=True)"): "repr only",
-    ("infer/core/async_engine.py", "self._streams.clear()", "pass"):
-        "the engine thread returns right after _fail_all; nothing reads _streams again",
-}
 
 
 @dataclass
