@@ -39,13 +39,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 and every multiple of 8 up "
                         "to --max-num-seqs)")
+    d = p.add_argument_group("distributed (docs/distributed.md)")
+    d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
+    d.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (layer ranges)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas behind one server")
+    d.add_argument("--distributed-executor-backend", default=None, choices=["mp", "external_launcher", "ray"],
+                   help="mp: worker processes on this host (default when ranks > 1); external_launcher: every rank "
+                        "started by torchrun; ray: Ray actors")
+    d.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over (mp)")
+    d.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes (mp)")
+    d.add_argument("--master-addr", default="127.0.0.1", help="address of node 0, where ranks rendezvous")
+    d.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0 (default: a free one; "
+                                                                 "required with --nnodes > 1)")
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
              "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
-             "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes")
+             "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
+             "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
+             "master_addr", "master_port")
     return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
 
 

@@ -145,6 +145,16 @@ class AsyncLLM:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # worker ranks of a distributed engine stop with it
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot serve (it failed, or one of its worker ranks died), or None."""
+        if self.dead is not None:
+            return f"{type(self.dead).__name__}: {self.dead}"
+        dist = getattr(self.engine, "dist", None)
+        return f"distributed worker {dist.failed}" if dist is not None and dist.failed else None
 
     @property
     def num_unfinished(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -14,10 +15,13 @@ import numpy as np
 from ..dispatch import DispatchTrace, Ops
 from ..registry import get_backend, registry
 from ..primitives.types import AttentionMetadata
+from . import distributed
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
+from .distributed import DistributedState, ParallelConfig, StepInput
 from .loader import load_model
 from .expert_load import ExpertLoad
-from .lowering import lower
+from .lowering import TP_GROUP, lower
+from .parallel import shard_graph
 from .memory import trim_heap
 from .model_runner import ModelRunner
 from .quant_params import QUANTIZATIONS
@@ -70,6 +74,85 @@ class EngineArgs:
     cuda_graph_sizes: tuple[int, ...] | None = None
     # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
     trace_dispatch: bool = False
+    # Distributed serving (core/distributed.py, docs/distributed.md).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # mp | external_launcher | ray; None: mp when needed
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
+                              self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
+                              self.master_port)
+
+
+# What must be equal on every rank of a job (the rest is per rank or per node).
+_PER_RANK_ARGS = ("device", "show_progress", "node_rank", "skip_tokenizer_init", "trace_dispatch", "master_port")
+
+
+@dataclass
+class ModelParts:
+    """One rank's model: what `build_model` makes for the engine and for a worker rank."""
+
+    loaded: Any  # LoadedModel, without weights
+    graph: Any
+    program: Any
+    runner: ModelRunner
+    dtype: str
+    max_model_len: int
+
+
+def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None, load_tokenizer: bool) -> ModelParts:
+    """Load the checkpoint's config, build and (on a tensor-parallel rank) shard the
+    graph, lower it for `backend`, and load this rank's weights into a runner."""
+    reg = registry()
+    m = load_model(a.model, load_weights=False, load_tokenizer=load_tokenizer, supported_architectures=reg.models)
+    name = str(m.dtype) if a.dtype == "auto" else a.dtype
+    if name not in backend.dtypes:
+        raise ValueError(f"dtype {name} is not supported by backend '{backend.name}' "
+                         f"(supported: {', '.join(backend.dtypes)})")
+    graph = reg.models[m.architecture](m.config)
+    if dist is not None:
+        graph = shard_graph(graph, dist.tp_rank, dist.config.tensor_parallel_size)
+    program = lower(graph, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs)))
+    model_len = graph.config.max_position_embeddings
+    if a.max_model_len is not None and a.max_model_len > model_len:
+        raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
+    max_model_len = a.max_model_len or model_len
+    # 'auto' keeps stored quantized weights where the backend's quantized kernels
+    # pay (always for 16-bit activations; for float32 only where they are exact).
+    keep = a.quantization == "fp8" or (a.quantization == "auto" and backend.keeps_quantized(name))
+    weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
+    runner = ModelRunner(program, backend, ops, weights, name, max_model_len, quantization=a.quantization,
+                         kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None)
+    weights.close()
+    del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
+    trim_heap()
+    return ModelParts(m, graph, program, runner, name, max_model_len)
+
+
+def execute_step(runner: ModelRunner, step: StepInput):
+    """One step's forward on this rank from host inputs (a worker's, or the driver's)."""
+    be = runner.backend
+    if step.block_copies:
+        src, dst = (np.array(x, dtype=np.int64) for x in zip(*step.block_copies))
+        for cache in runner.kv_caches:
+            be.copy_blocks(cache, src, dst)
+    return runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
+                          runner.prepare_metadata(step.meta))
+
+
+def rank_backend(a: EngineArgs, local_rank: int):
+    """The backend on this rank's device: ``<type>:<local_rank>`` on an accelerator without --device."""
+    backend = get_backend(a.backend, device=a.device)
+    dev = str(backend.device)
+    if a.device is None and local_rank and dev in ("cuda", "npu"):
+        backend = get_backend(a.backend, device=f"{dev}:{local_rank}")
+    return backend
 
 
 class LLMEngine:
@@ -77,33 +160,36 @@ class LLMEngine:
         a = args or EngineArgs(**kwargs)
         _check_args(a)
         self.args = a
-        self.backend = get_backend(a.backend, device=a.device)
+        self.parallel = a.parallel_config()
+        self.dist: DistributedState | None = None
+        local_rank = int(os.environ.get("LOCAL_RANK", 0)) if self.parallel.executor == "external_launcher" else 0
+        self.backend = rank_backend(a, local_rank)
+        if self.parallel.executor is not None:
+            fields = dataclasses.asdict(a)
+            self.dist = distributed.start(self.parallel, self.backend.dist_backend, fields)
+            try:
+                self.dist.check_agreement({k: v for k, v in fields.items() if k not in _PER_RANK_ARGS})
+            except BaseException:
+                self.shutdown()
+                raise
+        try:
+            self._init_model(a)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_model(self, a: EngineArgs) -> None:
         self.dispatch_trace = DispatchTrace() if a.trace_dispatch else None
         self.ops = Ops(self.backend, trace=self.dispatch_trace)
         self._sample = self.ops.bind("sample", "sampler")
-        reg = registry()
-        m = load_model(a.model, load_weights=False, load_tokenizer=not a.skip_tokenizer_init,
-                       supported_architectures=reg.models)
+        parts = build_model(a, self.backend, self.ops, self.dist, load_tokenizer=not a.skip_tokenizer_init)
+        m, graph, program = parts.loaded, parts.graph, parts.program
         self.model_config, self.tokenizer, self.chat_template = m.config, m.tokenizer, m.chat_template
         self.generation_config = m.generation_config
-        self.dtype = self._resolve_dtype(a.dtype, str(m.dtype))
-        graph = reg.models[m.architecture](m.config)
-        program = lower(graph, fuses=lambda op, attrs: bool(self.ops.fuses(op, **attrs)))
-        model_len = graph.config.max_position_embeddings
-        if a.max_model_len is not None and a.max_model_len > model_len:
-            raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
-        self.max_model_len = a.max_model_len or model_len
-        # 'auto' keeps stored quantized weights where the backend's quantized kernels
-        # pay (always for 16-bit activations; for float32 only where they are exact).
-        keep = a.quantization == "fp8" or (a.quantization == "auto" and self.backend.keeps_quantized(self.dtype))
-        weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
-        self.runner = ModelRunner(program, self.backend, self.ops, weights, self.dtype, self.max_model_len,
-                                  quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+        self.dtype, self.max_model_len, self.runner = parts.dtype, parts.max_model_len, parts.runner
         # MoE models: tokens per expert per layer, accumulated over steps; None for dense models.
         self.expert_load = ExpertLoad.for_program(program, self.backend.to_numpy)
-        weights.close()
-        del m, weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
-        trim_heap()
+        del m, parts
         cache = self._cache_config(a)
         self.cache_config = cache
         sched = SchedulerConfig(
@@ -115,8 +201,12 @@ class LLMEngine:
             policy=a.scheduling_policy,
         )
         self.scheduler = Scheduler(sched, cache)
-        self.runner.allocate_kv_caches(cache.num_blocks, cache.block_size)
-        self.decode_graphs = None if a.enforce_eager else self._capture_decode(a, cache.block_size)
+        self._allocate_kv_caches(cache.num_blocks, cache.block_size)
+        if self.dist is not None and not a.enforce_eager:
+            logging.getLogger("infer").info("decode graphs are not captured with tensor parallelism yet; "
+                                            "every step runs eagerly")
+        eager = a.enforce_eager or self.dist is not None
+        self.decode_graphs = None if eager else self._capture_decode(a, cache.block_size)
         eos = self.generation_config.get("eos_token_id", graph.config.eos_token_ids)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         self.vocab_size = graph.config.vocab_size
@@ -126,13 +216,49 @@ class LLMEngine:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self._decode_token = (lambda t: decode([t])) if decode is not None else (lambda t: None)
 
+    # -- distributed ---------------------------------------------------------------
+    def _to_workers(self, message: tuple) -> None:
+        """mp driver: hand a message to every worker rank (a no-op in one process or under torchrun)."""
+        d = self.dist
+        if d is None or not d.is_driver:
+            return
+        if d.failed:
+            raise RuntimeError(f"distributed worker {d.failed}; the engine cannot continue")
+        try:
+            d.broadcast(message)
+        except Exception as exc:
+            raise d.lost(exc) from exc
+
+    def _allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
+        self._to_workers(("kv", num_blocks, block_size))
+        self.runner.allocate_kv_caches(num_blocks, block_size)
+
+    def _release_kv_caches(self) -> None:
+        self._to_workers(("release",))
+        self.runner.release_kv_caches()
+
+    def _execute(self, step: StepInput):
+        self._to_workers(("step", step))
+        if self.dist is None:
+            return execute_step(self.runner, step)
+        try:
+            return execute_step(self.runner, step)
+        except RuntimeError as exc:  # a collective whose peer died or timed out
+            raise self.dist.lost(exc) from exc
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks and leave the process group (nothing to do in one process)."""
+        d, self.dist = getattr(self, "dist", None), None
+        if d is not None:
+            d.close()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
     # -- set-up helpers ---------------------------------------------------------
-    def _resolve_dtype(self, dtype: str, loaded: str) -> str:
-        name = loaded if dtype == "auto" else dtype
-        if name not in self.backend.dtypes:
-            raise ValueError(f"dtype {name} is not supported by backend '{self.backend.name}' "
-                             f"(supported: {', '.join(self.backend.dtypes)})")
-        return name
 
     def _cache_config(self, a: EngineArgs) -> CacheConfig:
         block_size = a.block_size or self.backend.preferred_block_size
@@ -166,13 +292,12 @@ class LLMEngine:
         """Peak device bytes of one forward over `n` prompt tokens (weights included)."""
         be, blocks = self.backend, -(-n // block_size)
         be.reset_peak_memory()
-        self.runner.allocate_kv_caches(blocks, block_size)
+        self._allocate_kv_caches(blocks, block_size)
         meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
                                  np.arange(blocks, dtype=np.int32)[None], np.arange(n, dtype=np.int64), n, n, block_size)
-        self.runner.forward(be.asarray(np.zeros(n, np.int64)), be.asarray(np.arange(n, dtype=np.int64)),
-                            be.asarray(np.array([n - 1], np.int64)), self.runner.prepare_metadata(meta))
+        self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta))
         be.synchronize()
-        self.runner.release_kv_caches()
+        self._release_kv_caches()
         return be.memory_info()[1]
 
     def _capture_decode(self, a: EngineArgs, block_size: int):
@@ -297,20 +422,20 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> tuple[StepOutput, StepResult]:
         """The forward pass and sampling of one scheduled step, handed to the scheduler."""
         be = self.backend
-        if out.block_copies:
-            src, dst = (np.array(x, dtype=np.int64) for x in zip(*out.block_copies))
-            for cache in self.runner.kv_caches:
-                be.copy_blocks(cache, src, dst)
         mi = out.model_input()
         graphs, meta = self.decode_graphs, mi.attn_metadata
+        copies = tuple(out.block_copies)
         if graphs is not None and graphs.can_replay(meta):
+            if copies:
+                src, dst = (np.array(x, dtype=np.int64) for x in zip(*copies))
+                for cache in self.runner.kv_caches:
+                    be.copy_blocks(cache, src, dst)
             forward = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's logits
             logits = forward.logits
             if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
                 logits = logits[be.asarray(mi.logits_indices)]
         else:
-            forward = self.runner.forward(be.asarray(mi.input_ids), be.asarray(mi.positions),
-                                          be.asarray(mi.logits_indices), self.runner.prepare_metadata(meta))
+            forward = self._execute(StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies))
             logits = forward.logits
         if self.expert_load is not None:
             self.expert_load.record(forward.expert_counts)

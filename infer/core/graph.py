@@ -44,6 +44,14 @@ class Param:
     shard: str = "replicated"
     parts: tuple[int, ...] = ()
     optional: bool = False
+    # Set by `parallel.shard_graph` on a tensor-parallel rank: per source, None
+    # (read whole) or (axis, ((start, stop), ...)), the pieces of it this rank
+    # reads, concatenated along that axis; then `pad_rows` zero rows appended
+    # (a vocabulary shard padded to the common size). `zeros`: this rank holds
+    # zeros of `shape` and reads nothing (a row-parallel bias off rank 0).
+    slices: tuple = ()
+    pad_rows: int = 0
+    zeros: bool = False
 
     def __post_init__(self):
         if self.shard not in SHARDS:
@@ -78,6 +86,16 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     params: dict[str, Param] = field(default_factory=dict)
     num_layers: int = 0
+    # Tensor parallelism (`parallel.shard_graph`): this rank, the group size,
+    # and the nodes whose first output is this rank's partial sum (lowering
+    # follows each with an all_reduce).
+    tp_rank: int = 0
+    tp_size: int = 1
+    partial: frozenset[str] = frozenset()
+
+    def kv_heads(self) -> int:
+        """KV heads of this rank's attention (the model's, unless sharded)."""
+        return next((n.attrs["num_kv_heads"] for n in self.nodes if n.op == "attention"), self.config.num_kv_heads)
 
     def param(self, name: str, shape: tuple[int, ...], sources: tuple[str, ...] | str, **kw: Any) -> str:
         if isinstance(sources, str):
@@ -105,4 +123,5 @@ class Graph:
         nodes = [n for n in self.nodes if keep(n)]
         used = {p for n in nodes for p in n.params.values()}
         params = {k: v for k, v in self.params.items() if k in used}
-        return Graph(self.architecture, self.config, nodes, params, self.num_layers)
+        return Graph(self.architecture, self.config, nodes, params, self.num_layers, self.tp_rank, self.tp_size,
+                     frozenset(n.name for n in nodes) & self.partial)

@@ -2,9 +2,14 @@
 
 Each node expands into primitives unless the backend says it runs the whole
 node itself (`Backend.fuses`), in which case one ``fused_<op>`` call stands
-for it. Besides the primitives, the program uses three view ops every tensor
-type has (``split`` columns, ``reshape``, ``rows`` = integer row gather); they
-move no arithmetic and map to ONNX's Split/Reshape/Gather on export.
+for it. Besides the primitives, the program uses view ops every tensor type
+has (``split`` columns, ``reshape``, ``rows`` = integer row gather, and on a
+tensor-parallel rank ``vocab_ids`` / ``mask_rows``, the id range check of a
+vocabulary shard); they move no arithmetic and map to standard ONNX ops.
+
+On a tensor-parallel graph (`core/parallel.py`) every node in `Graph.partial`
+is followed by an ``all_reduce`` over the ``tp`` group, and lm_head's logits
+by an ``all_gather`` along the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from typing import Any
 
 from .graph import Graph, Node
 
-VIEW_OPS = ("split", "reshape", "rows")
+VIEW_OPS = ("split", "reshape", "rows", "vocab_ids", "mask_rows")
+TP_GROUP = "tp"  # the process group collectives of a tensor-parallel graph run on
 
 
 @dataclass(slots=True)
@@ -76,6 +82,9 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
             calls.extend(_EXPANSIONS[node.op](graph, node))
         else:
             raise ValueError(f"node {node.name}: no lowering for {node.op!r} and the backend does not fuse it")
+        if node.name in graph.partial:
+            calls.append(Call("all_reduce", node.name, node.outputs[:1], node.outputs[:1], {}, {"group": TP_GROUP},
+                              (("T", graph.config.hidden_size),), node.layer))
     return Program(graph, calls)
 
 
@@ -85,7 +94,18 @@ def _node_output_shape(graph: Graph, node: Node) -> tuple:
 
 
 def _embedding(g: Graph, n: Node) -> list[Call]:
-    return [Call("embedding", n.name, n.inputs, n.outputs, n.params, {}, (("T", g.config.hidden_size),), n.layer)]
+    shape = (("T", g.config.hidden_size),)
+    if g.tp_size == 1:
+        return [Call("embedding", n.name, n.inputs, n.outputs, n.params, {}, shape, n.layer)]
+    # A vocabulary shard: ids outside this rank's rows look up row 0 and come out as zero rows.
+    rows = g.params[n.params["table"]].shape[0]
+    ids, valid, looked_up = n.name + ".local_ids", n.name + ".valid", n.name + ".rows"
+    return [
+        Call("vocab_ids", n.name, n.inputs, (ids, valid), {}, {"start": g.tp_rank * rows, "size": rows},
+             (("T",), ("T",)), n.layer),
+        Call("embedding", n.name, (ids,), (looked_up,), n.params, {}, shape, n.layer),
+        Call("mask_rows", n.name, (looked_up, valid), n.outputs, {}, {}, shape, n.layer),
+    ]
 
 
 def _rms_norm(g: Graph, n: Node) -> list[Call]:
@@ -167,9 +187,21 @@ def _lm_head(g: Graph, n: Node) -> list[Call]:
     return [
         # Only the rows that sample a token reach the (large) vocabulary GEMM.
         Call("rows", n.name, (x, rows), (n.name + ".x",), {}, {}, (("S", g.config.hidden_size),), n.layer),
-        Call("linear", n.name, (n.name + ".x",), n.outputs, {"weight": n.params["weight"]}, {},
-             (("S", g.config.vocab_size),), n.layer),
-    ]
+        Call("linear", n.name, (n.name + ".x",), n.outputs if g.tp_size == 1 else (n.name + ".shard",),
+             {"weight": n.params["weight"]}, {}, (("S", g.params[n.params["weight"]].shape[0]),), n.layer),
+    ] + (_gather_logits(g, n) if g.tp_size > 1 else [])
+
+
+def _gather_logits(g: Graph, n: Node) -> list[Call]:
+    """The ranks' vocabulary shards side by side; the padding of the last shard cut off."""
+    vocab, padded = g.config.vocab_size, g.params[n.params["weight"]].shape[0] * g.tp_size
+    gathered = n.outputs if padded == vocab else (n.name + ".gathered",)
+    calls = [Call("all_gather", n.name, (n.name + ".shard",), gathered, {}, {"dim": -1, "group": TP_GROUP},
+                  (("S", padded),), n.layer)]
+    if padded != vocab:
+        calls.append(Call("split", n.name, gathered, n.outputs + (n.name + ".padding",), {},
+                          {"sizes": (vocab, padded - vocab)}, (("S", vocab), ("S", padded - vocab)), n.layer))
+    return calls
 
 
 def _pick(params: dict[str, str], **roles: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from .rope import cos_sin_cache
 class ModelRunner:
     def __init__(self, program: Program, backend, ops, weights: Mapping[str, np.ndarray], dtype: str,
                  max_positions: int, progress: Callable[[Iterable], Iterable] = iter, quantization: str = "auto",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", groups: Mapping[str, Any] | None = None):
         """`ops` (`infer.dispatch.Ops`) decides what serves each call and
         validates arguments; the first forward runs through it, later ones
         through an unchecked twin, since the program's shapes do not change
@@ -37,9 +37,16 @@ class ModelRunner:
 
         `weights` (checkpoint name -> array) is consumed: each entry is dropped
         once the last parameter built from it exists, so loading never holds
-        the checkpoint and the device copy of all of it at once.
+        the checkpoint and the device copy of all of it at once. On a
+        tensor-parallel rank (`core/parallel.py`) each parameter reads only its
+        slices (`weights.read_slice` where the mapping has it).
+
+        `groups`: the torch.distributed process group of each name the
+        program's collectives give (``tp``); absent: the default group.
         """
         self.program, self.backend, self.ops, self.dtype = program, backend, ops, dtype
+        self.groups = dict(groups or {})
+        self.num_kv_heads = program.graph.kv_heads()
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
         # (k_scale, v_scale) per layer for an fp8 cache.
         self.kv_scales = [(1.0, 1.0)] * program.graph.num_layers
@@ -99,13 +106,23 @@ class ModelRunner:
 
     def _load_param(self, name: str, weights: Mapping[str, np.ndarray]):
         p = self.program.graph.params[name]
+        if p.zeros:
+            return self.backend.asarray(np.zeros(p.shape, np.float32), self.dtype)
         missing = [s for s in p.sources if s not in weights]
         if missing:
             raise KeyError(f"checkpoint lacks {', '.join(missing)} (needed for {name})")
-        parts = [weights[s] for s in p.sources]
+        if p.slices:
+            parts = [_read_pieces(weights, s, spec) for s, spec in zip(p.sources, p.slices)]
+        else:
+            parts = [weights[s] for s in p.sources]
         if any(isinstance(x, WeightHandle) for x in parts):
-            return quant_params.to_backend(quant_params.concat_rows(parts), self.backend, self.dtype, p.shape, name)
+            handle = quant_params.concat_rows(parts)
+            if p.pad_rows:
+                handle = quant_params.pad_rows(handle, p.pad_rows)
+            return quant_params.to_backend(handle, self.backend, self.dtype, p.shape, name)
         arr = np.concatenate([np.asarray(x) for x in parts]) if len(parts) > 1 else parts[0]
+        if p.pad_rows:
+            arr = np.concatenate([np.asarray(arr), np.zeros((p.pad_rows,) + arr.shape[1:], arr.dtype)])
         if self.quantization == "fp8" and name in self._fp8_params:
             return quant_params.to_backend(quant_params.online_fp8(arr), self.backend, self.dtype, p.shape, name)
         if tuple(arr.shape) != p.shape:
@@ -131,9 +148,10 @@ class ModelRunner:
                 users.setdefault(n, []).append(c)
         for name in progress(list(dict.fromkeys(first + list(params)))):
             p = params[name]
-            if p.sources not in built:
-                built[p.sources] = self._load_param(name, weights)
-            self.tensors[name] = built[p.sources]
+            key = (p.sources, p.slices, p.zeros)  # tied parameters (the same slices of one tensor) share one
+            if key not in built:
+                built[key] = self._load_param(name, weights)
+            self.tensors[name] = built[key]
             for src in p.sources:
                 uses[src] -= 1
                 if uses[src] == 0 and hasattr(weights, "pop"):
@@ -168,7 +186,7 @@ class ModelRunner:
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
         """Allocate every layer's cache and bind the program to them (see `LayerContext`)."""
         cfg = self.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, self.num_kv_heads, cfg.head_dim)
         layers = range(self.program.graph.num_layers)
         if self.kv_cache_dtype != "fp8":
             self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in layers]
@@ -194,7 +212,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
         itemsize = 1 if self.kv_cache_dtype == "fp8" else 4 if self.dtype == "float32" else 2
-        return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize * self.program.graph.num_layers
+        return 2 * block_size * self.num_kv_heads * cfg.head_dim * itemsize * self.program.graph.num_layers
 
     def _bind(self, c: Call, ops) -> Callable[[dict], None]:
         if c.primitive in VIEW_OPS:
@@ -212,6 +230,8 @@ class ModelRunner:
         for arg in SIGNATURES[prim]:
             if arg.source == "weight" and arg.name in c.params:
                 named[arg.name] = self._linear_weight(c) if prim == "linear" else self.tensors[c.params[arg.name]]
+            elif arg.source == "attr" and arg.name == "group" and "group" in c.attrs:
+                named["group"] = self.groups.get(c.attrs["group"])  # a process group, by the name lowering gave
             elif arg.source == "attr" and arg.name in c.attrs:
                 named[arg.name] = c.attrs[arg.name]
             elif arg.source == "layer":
@@ -320,7 +340,37 @@ def _bind_view(c: Call) -> Callable[[dict], None]:
 
         def run(env):
             env[outs[0]] = env[ins[0]].reshape(shape)
+    elif c.primitive == "vocab_ids":
+        start, size = a["start"], a["size"]
+
+        def run(env):
+            local = env[ins[0]] - start
+            valid = (local >= 0) & (local < size)
+            env[outs[0]], env[outs[1]] = local * valid, valid  # out-of-shard ids read row 0, masked next
+    elif c.primitive == "mask_rows":
+        def run(env):
+            env[outs[0]] = env[ins[0]] * env[ins[1]][:, None]
     else:
         def run(env):
             env[outs[0]] = env[ins[0]][env[ins[1]]]
     return run
+
+
+def _read_pieces(weights: Mapping[str, Any], source: str, spec):
+    """This rank's pieces of one checkpoint tensor (see `Param.slices`), concatenated."""
+    if spec is None:
+        return weights[source]
+    axis, ranges = spec
+    read = getattr(weights, "read_slice", None)
+    pieces = []
+    for lo, hi in ranges:
+        if read is not None:
+            piece = read(source, axis, lo, hi)
+        else:
+            whole = weights[source]
+            if isinstance(whole, WeightHandle):
+                piece = quant_params.slice_handle(whole, axis, lo, hi)
+            else:
+                piece = np.asarray(whole)[(slice(None),) * axis + (slice(lo, hi),)]
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)

@@ -49,6 +49,44 @@ def concat_rows(parts: Sequence[WeightHandle]) -> WeightHandle:
     return dataclasses.replace(first, **changes)
 
 
+def slice_handle(handle: WeightHandle, axis: int, start: int, stop: int) -> WeightHandle:
+    """Rows (axis 0) or input columns (axis 1) [start, stop) of a quantized weight: a
+    tensor-parallel shard. Columns must fall on the format's group boundaries."""
+    if axis == 0:
+        changes = {f: np.asarray(getattr(handle, f))[start:stop] for f in ("qweight", "offsets", "bias")
+                   if getattr(handle, f, None) is not None}
+        scales = np.asarray(handle.scales)
+        changes["scales"] = scales if scales.size == 1 and isinstance(handle, Fp8Weight) else scales[start:stop]
+        return dataclasses.replace(handle, **changes)
+    if axis != 1:
+        raise ValueError(f"a {handle.kind} weight is 2-D; cannot slice axis {axis}")
+    group = getattr(handle, "group_size", 1)
+    if start % group or stop % group:
+        raise ValueError(f"a tensor-parallel shard of input columns [{start}, {stop}) splits the {group}-wide "
+                         f"groups of a {handle.kind} weight; choose a tensor_parallel_size that divides the groups, "
+                         "or load the model with quantization='none'")
+    per_byte = 2 if handle.kind == "int4_group" else 1
+    changes = {"qweight": np.asarray(handle.qweight)[:, start // per_byte:stop // per_byte]}
+    if not isinstance(handle, Fp8Weight):  # fp8 scales are per output channel: unchanged
+        changes["scales"] = np.asarray(handle.scales)[:, start // group:stop // group]
+        if getattr(handle, "offsets", None) is not None:
+            changes["offsets"] = np.asarray(handle.offsets)[:, start // group:stop // group]
+    return dataclasses.replace(handle, **changes)
+
+
+def pad_rows(handle: WeightHandle, rows: int) -> WeightHandle:
+    """`handle` with `rows` all-zero rows appended (zero scales and offsets: the rows dequantize to 0)."""
+    changes = {}
+    for f in _ROW_FIELDS:
+        value = getattr(handle, f, None)
+        if value is not None:
+            value = np.asarray(value)
+            if f == "scales" and value.size == 1 and isinstance(handle, Fp8Weight):
+                value = np.broadcast_to(value.astype(np.float32), (handle.out_features,))
+            changes[f] = np.concatenate([value, np.zeros((rows,) + value.shape[1:], value.dtype)])
+    return dataclasses.replace(handle, **changes)
+
+
 def to_backend(handle: WeightHandle, backend: Any, dtype: str, shape: tuple[int, ...], what: str) -> WeightHandle:
     """`handle` with its arrays on `backend` (scales in float32) and compute dtype `dtype`."""
     if (handle.out_features, handle.in_features) != tuple(shape):

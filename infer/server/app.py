@@ -72,9 +72,9 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
 
     @app.get("/health")
     async def health() -> Response:
-        dead = [m.name for m in models if m.llm.dead is not None]
-        if dead:
-            return JSONResponse({"status": "error", "dead": dead}, status_code=503)
+        failures = {m.name: m.llm.failure for m in models if m.llm.failure}
+        if failures:
+            return JSONResponse({"status": "error", "dead": list(failures), "reasons": failures}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")

@@ -7,6 +7,8 @@ import contextlib
 import os
 import signal
 import socket
+import threading
+import time
 import sys
 
 from ..cli_model import add_engine_args, engine_args
@@ -28,6 +30,8 @@ def add_serve(sub) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--headless", action="store_true",
+                   help="a worker node of a multi-node job (--nnodes, --node-rank >= 1): run its ranks, serve no API")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -71,6 +75,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"infer serve: {exc}; install the server's dependencies with pip install 'infer[serve]'", file=sys.stderr)
         return 2
+    if args.headless:
+        from ..core.worker import run_headless
+
+        try:
+            return run_headless(engine_args(args, model=(args.model or ["smollm2"])[0], show_progress=False))
+        except ValueError as exc:
+            print(f"infer serve: {exc}", file=sys.stderr)
+            return 2
     # Like vLLM: no *_created series beside every counter and histogram.
     prometheus_client.disable_created_metrics()
     try:
@@ -93,8 +105,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"infer serve: {models} on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
                             lifespan="on")
-    _graceful_server(config).run(sockets=[sock])
+    server = _graceful_server(config)
+    failed: list[str] = []
+    threading.Thread(target=_watch_engines, args=(server, app.state.models, failed), daemon=True,
+                     name="infer-engine-watchdog").start()
+    server.run(sockets=[sock])
+    if failed:
+        print(f"infer serve: exiting: {failed[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+# How often the server checks that its engines (and their worker ranks) are alive,
+# and how long /health answers 503 before the process exits.
+WATCH_INTERVAL_S = 0.5
+DEAD_GRACE_S = 2.0
+
+
+def _watch_engines(server, models, failed: list[str]) -> None:
+    """Stop the server when an engine dies (a backend error, a worker rank that exited):
+    /health answers 503 meanwhile, then the process exits non-zero naming the cause."""
+    while not server.should_exit:
+        for m in models:
+            reason = m.llm.failure
+            if reason:
+                failed.append(f"model {m.name!r}: {reason}")
+                time.sleep(DEAD_GRACE_S)
+                server.should_exit = True
+                return
+        time.sleep(WATCH_INTERVAL_S)
 
 
 def _graceful_server(config):

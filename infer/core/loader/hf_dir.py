@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .errors import LoaderError
-from .safetensors_file import find_safetensors, read_tensor
+from .safetensors_file import find_safetensors, read_tensor, read_tensor_slice
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -47,6 +47,13 @@ class HFCheckpoint:
 
     def read(self, name: str) -> np.ndarray:
         return read_tensor(self._entries[name])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name].shape
+
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """[start, stop) along `axis` of one tensor, reading only that part (a tensor-parallel shard)."""
+        return read_tensor_slice(self._entries[name], axis, start, stop)
 
     def chat_template(self, tokenizer: Any = None) -> str | None:
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):

@@ -161,6 +161,30 @@ class LazyWeights(Mapping):
         self._bar.update(self._ckpt.nbytes(name))
         return array
 
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """[start, stop) along `axis` of one weight, as `dtype` (a tensor-parallel shard); where
+        the checkpoint can, only that part is read. A tensor kept quantized is read as stored
+        and its handle sliced (input columns on the format's group boundaries)."""
+        if name not in self._names:
+            raise KeyError(name)
+        from ..quant_params import slice_handle
+        from .moe_layout import slice_of
+
+        handle = self._ckpt.read_quantized(name) if self._quantized else None
+        if handle is not None:  # read whole (as stored), keep the shard
+            self._bar.update(self._ckpt.nbytes(name))
+            return slice_handle(handle, axis, start, stop)
+        array = slice_of(self._ckpt, name, axis, start, stop)
+        if np.issubdtype(array.dtype, np.floating) and array.dtype != self._dtype:
+            array = array.astype(self._dtype)
+        try:  # the bar moves by the share of the tensor read, where the checkpoint knows its shape
+            full = self._ckpt.shape(name)[axis]
+        except (AttributeError, KeyError):
+            full = None
+        if full:
+            self._bar.update(self._ckpt.nbytes(name) * (stop - start) // full)
+        return array
+
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._names
 

@@ -59,6 +59,45 @@ class FusedExperts:
         return np.stack(parts)
 
 
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """[start, stop) along `axis` of a (fused) tensor, reading only the experts' pieces it covers."""
+        if name not in self._pieces:
+            return slice_of(self._ckpt, self._renamed.get(name, name), axis, start, stop)
+        roles = self._pieces[name]
+        experts = sorted(next(iter(roles.values())))
+        order = [r for r in ("gate", "up", "down") if r in roles]
+        if axis == 0:
+            return np.stack([self.read_expert(roles, order, e) for e in experts[start:stop]])
+        parts = []
+        for e in experts:
+            if axis > 1:  # inside every role's rows: slice each, then stack the roles as `read` does
+                parts.append(np.concatenate([slice_of(self._ckpt, roles[r][e], axis - 1, start, stop) for r in order]))
+                continue
+            pieces, offset = [], 0
+            for r in order:  # rows [start, stop) of gate rows then up rows
+                rows = _rows(self._ckpt, roles[r][e])
+                lo, hi = max(start - offset, 0), min(stop - offset, rows)
+                if lo < hi:
+                    pieces.append(slice_of(self._ckpt, roles[r][e], 0, lo, hi))
+                offset += rows
+            parts.append(np.concatenate(pieces))
+        return np.stack(parts)
+
+    def read_expert(self, roles: dict[str, dict[int, str]], order: list[str], expert: int) -> np.ndarray:
+        return np.concatenate([self._ckpt.read(roles[r][expert]) for r in order])
+
+
+def _rows(ckpt: Any, name: str) -> int:
+    return ckpt.shape(name)[0] if hasattr(ckpt, "shape") else ckpt.read(name).shape[0]
+
+
+def slice_of(ckpt: Any, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+    """A checkpoint tensor's [start, stop) along `axis`, read partially where the checkpoint can."""
+    if hasattr(ckpt, "read_slice"):
+        return ckpt.read_slice(name, axis, start, stop)
+    return np.ascontiguousarray(ckpt.read(name)[(slice(None),) * axis + (slice(start, stop),)])
+
+
 def fuse_experts(ckpt: Any) -> Any:
     """`ckpt` itself when it holds no per-expert tensors, else a `FusedExperts` view of it."""
     found: dict[str, dict[str, dict[str, dict[int, str]]]] = {}

@@ -116,6 +116,14 @@ class QuantizedHF:
         handle = self.read_quantized(name)
         return self._ckpt.read(name) if handle is None else dequantize(handle).astype(np.float32)
 
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """A slice of a float tensor as stored; a quantized one is dequantized whole, then sliced."""
+        if self._base(name) is None:
+            from .moe_layout import slice_of
+
+            return slice_of(self._ckpt, name, axis, start, stop)
+        return np.ascontiguousarray(self.read(name)[(slice(None),) * axis + (slice(start, stop),)])
+
 
 def with_quantization(ckpt: Any) -> Any:
     """`ckpt` itself for a float checkpoint, else a `QuantizedHF` view of it."""

@@ -75,6 +75,21 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     return t.numpy()
 
 
+def read_tensor_slice(entry: TensorEntry, axis: int, start: int, stop: int) -> np.ndarray:
+    """Rows (or columns, ...) [start, stop) of one tensor along `axis`; only those bytes are read."""
+    if not (0 <= axis < len(entry.shape) and 0 <= start <= stop <= entry.shape[axis]):
+        raise ValueError(f"{entry.name}: slice [{start}, {stop}) on axis {axis} is outside its shape {entry.shape}")
+    with _open(entry.file) as f:
+        t = f.get_slice(entry.name)[(slice(None),) * axis + (slice(start, stop),)]
+    if entry.dtype == "BF16":
+        t = t.float()
+    elif entry.dtype == "F8_E4M3":
+        import torch
+
+        t = t.view(torch.uint8)
+    return t.contiguous().numpy()
+
+
 def find_safetensors(directory: Path) -> dict[str, TensorEntry]:
     """The tensors of an HF model directory, in checkpoint order.
 

@@ -100,9 +100,9 @@ def sparse_block(g: Graph, cfg: ModelConfig, spec: MoESpec, i: int) -> None:
     h, e, inter = cfg.hidden_size, spec.num_experts, spec.expert_intermediate_size
     params = {
         "router": g.param(f"{n}.router", (e, h), f"{p}.gate.weight"),
-        # Replicated: expert-parallel and tensor-parallel sharding of experts are not built yet.
-        "w13": g.param(f"{n}.w13", (e, 2 * inter, h), f"{p}.experts.gate_up_proj"),
-        "w2": g.param(f"{n}.w2", (e, h, inter), f"{p}.experts.down_proj"),
+        # Tensor parallel inside experts (see core/parallel.py): each expert's gate and up rows split like an MLP's.
+        "w13": g.param(f"{n}.w13", (e, 2 * inter, h), f"{p}.experts.gate_up_proj", shard="column", parts=(inter, inter)),
+        "w2": g.param(f"{n}.w2", (e, h, inter), f"{p}.experts.down_proj", shard="row"),
     }
     inputs = ["normed"]
     if spec.shared_intermediate_size:

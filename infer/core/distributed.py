@@ -1,0 +1,290 @@
+"""Multi-process execution on torch.distributed: tensor parallelism first.
+
+Ranks and groups (vLLM's layout): ``rank = pp_rank * tp + tp_rank``; each
+pipeline stage has a tensor-parallel group, the ``tp`` group the program's
+collectives run on (`core/parallel.py`, `core/lowering.py`).
+
+Executors (``distributed_executor_backend``):
+
+- ``mp``: the engine is rank 0; it starts the other ranks of this host as
+  worker processes (``python -m infer.core.worker``) that build their shard of
+  the model and then follow rank 0: before each step rank 0 broadcasts the
+  step's host inputs (a `StepInput`, pickled by ``broadcast_object_list``),
+  and every rank runs the same forward. With ``nnodes > 1`` each node starts
+  its own ranks (``--node-rank``; a ``--headless`` node serves no API).
+- ``external_launcher``: every rank was started by ``torchrun`` (env://
+  rendezvous) and runs a whole engine; the schedulers see the same requests
+  and make the same decisions, so no step is broadcast (vLLM does the same).
+
+Collectives have a timeout (``INFER_DIST_TIMEOUT_S``, default 120 s), so a rank
+that hangs or dies makes the others fail instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from ..primitives.types import AttentionMetadata
+
+EXECUTORS = ("mp", "external_launcher", "ray")
+DEFAULT_TIMEOUT_S = 120.0
+log = logging.getLogger("infer")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: mp when world_size > 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        if self.distributed_executor_backend not in (None, *EXECUTORS):
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTORS)}; "
+                             f"got {self.distributed_executor_backend!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is outside 0..{self.nnodes - 1} (nnodes={self.nnodes})")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks cannot be "
+                             f"split evenly over nnodes={self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("with nnodes > 1 every node must be given the same --master-addr and --master-port")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported yet; use tensor_parallel_size")
+        if self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor(self) -> str | None:
+        if self.world_size == 1 and self.distributed_executor_backend != "external_launcher":
+            return None
+        return self.distributed_executor_backend or "mp"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """What every rank needs to run one step: host arrays only."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    sample_rows: np.ndarray
+    meta: AttentionMetadata
+    block_copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class DistributedState:
+    """This process's place in the job, and the groups it joined."""
+
+    config: ParallelConfig
+    rank: int
+    local_rank: int
+    tp_group: Any = None
+    control_group: Any = None  # gloo: where rank 0's step messages travel
+    workers: list[subprocess.Popen] = field(default_factory=list)  # mp, rank 0 of a node: the ranks it started
+    failed: str | None = None  # set by the monitor when a worker dies
+    _closed: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.config.tensor_parallel_size
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 of an mp job: it schedules, and broadcasts each step."""
+        return self.rank == 0 and self.config.executor == "mp"
+
+    # -- rank 0 -> workers -------------------------------------------------------
+    def broadcast(self, message: Any) -> Any:
+        """Rank 0's `message` on every rank (mp executor)."""
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def lost(self, exc: BaseException, wait_s: float = 5.0) -> RuntimeError:
+        """The error to raise when a collective failed: it names the worker that
+        died (waiting briefly for its exit), else says which peer error it was."""
+        deadline = time.monotonic() + wait_s
+        while self.failed is None and self.workers and time.monotonic() < deadline:
+            for i, p in enumerate(self.workers):
+                if p.poll() is not None:
+                    self.failed = f"rank {self.rank + 1 + i} (pid {p.pid}) exited with code {p.returncode}"
+                    break
+            else:
+                time.sleep(0.05)
+        if self.failed:
+            return RuntimeError(f"distributed worker {self.failed}; the engine cannot continue")
+        return RuntimeError(f"rank {self.rank}: a collective with the other ranks failed ({exc})")
+
+    def check_agreement(self, fingerprint: dict) -> None:
+        """Every rank must run the same model with the same flags: fail naming the ranks that differ."""
+        import torch.distributed as dist
+
+        mine = _digest(fingerprint)
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, (mine, fingerprint), group=self.control_group)
+        differ = [r for r, (d, _) in enumerate(every) if d != every[0][0]]
+        if differ:
+            first = differ[0]
+            keys = sorted(k for k in every[0][1] if every[0][1].get(k) != every[first][1].get(k))
+            raise RuntimeError(f"ranks disagree: rank {first} runs {({k: every[first][1].get(k) for k in keys})}, "
+                               f"rank 0 runs {({k: every[0][1].get(k) for k in keys})}; start every rank with the "
+                               "same model and flags")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Tell the workers to stop (driver), wait for them, leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        import torch.distributed as dist
+
+        if self.is_driver and self.failed is None:
+            try:
+                self.broadcast(("stop",))
+            except Exception as exc:  # noqa: BLE001 (a dead worker: nothing to tell)
+                log.warning("could not tell the workers to stop: %s", exc)
+        deadline = time.monotonic() + timeout
+        for p in self.workers:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _digest(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("INFER_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank: int | None = None) -> DistributedState:
+    """Join (and for the mp driver, first start) the job; returns this process's state.
+
+    mp: called with ``rank=None`` on a node's first process, which is global
+    rank ``node_rank * ranks_per_node``; it starts the node's other ranks as
+    workers. A worker calls it with its rank. external_launcher: the rank comes
+    from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+    """
+    import torch.distributed as dist
+
+    executor = config.executor
+    timeout = timedelta(seconds=timeout_s())
+    if executor == "external_launcher":
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"distributed_executor_backend='external_launcher' expects to be started by torchrun "
+                               f"(missing {', '.join(missing)} in the environment)")
+        world = int(os.environ["WORLD_SIZE"])
+        if world != config.world_size:
+            raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size x pipeline_parallel_size = "
+                             f"{config.world_size}; make --nproc-per-node x --nnodes match")
+        rank = int(os.environ["RANK"])
+        state = DistributedState(config, rank, int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(dist_backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    elif executor == "mp":
+        port = config.master_port or free_port()
+        config = dataclasses.replace(config, master_port=port)
+        first = config.node_rank * config.ranks_per_node
+        if rank is None:  # a node's first process: start the node's other ranks
+            rank = first
+            state = DistributedState(config, rank, 0)
+            state.workers = [_spawn_worker(config, r, r - first, engine_args)
+                             for r in range(first + 1, first + config.ranks_per_node)]
+        else:
+            state = DistributedState(config, rank, rank - first)
+        try:
+            dist.init_process_group(dist_backend, init_method=f"tcp://{config.master_addr}:{port}", rank=rank,
+                                    world_size=config.world_size, timeout=timeout)
+        except Exception:
+            for p in state.workers:
+                p.kill()
+            raise
+        if state.workers:
+            _monitor(state)
+    else:
+        raise ValueError(f"distributed_executor_backend={executor!r} is not supported yet (supported: mp, "
+                         "external_launcher)")
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    tp = config.tensor_parallel_size
+    for stage in range(config.pipeline_parallel_size):
+        ranks = list(range(stage * tp, (stage + 1) * tp))
+        group = dist.new_group(ranks, timeout=timeout) if config.pipeline_parallel_size > 1 else dist.group.WORLD
+        if rank in ranks:
+            state.tp_group = group
+    state.control_group = dist.group.WORLD if dist_backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return state
+
+
+def _spawn_worker(config: ParallelConfig, rank: int, local_rank: int, engine_args: dict) -> subprocess.Popen:
+    spec = {"parallel": dataclasses.asdict(config), "rank": rank, "local_rank": local_rank, "engine_args": engine_args}
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
+    return subprocess.Popen([sys.executable, "-m", "infer.core.worker", json.dumps(spec)], env=env)
+
+
+def _monitor(state: DistributedState) -> None:
+    """Watch the workers this process started: one that exits while the job runs is named in
+    `state.failed` and logged (its peers' collectives then fail, or time out)."""
+
+    def watch():
+        while not state._closed:
+            for i, p in enumerate(state.workers):
+                code = p.poll()
+                if code is not None and not state._closed:
+                    rank = state.rank + 1 + i
+                    state.failed = f"rank {rank} (pid {p.pid}) exited with code {code}"
+                    log.error("distributed worker %s", state.failed)
+                    return
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="infer-worker-monitor", daemon=True).start()

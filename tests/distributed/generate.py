@@ -1,0 +1,43 @@
+"""Greedy generation with LLM(...) for the distributed tests: ``python generate.py JSON``.
+
+JSON: {"model": ..., "engine": {EngineArgs fields}, "prompts": [[ids], ...], "max_tokens": N}.
+Prints one JSON line (or writes OUT/rank<r>.json when "out" is given): the token ids
+and, per token, the top-5 logprobs of every prompt.
+Run directly (the mp executor starts the other ranks) or under torchrun
+(every rank prints; with "rank_args", rank r's engine fields are updated by
+rank_args[str(r)] — how a test makes ranks disagree).
+"""
+
+import json
+import os
+import sys
+
+import torch  # noqa: F401  (as a user's script would: torch before infer)
+
+from infer import LLM, SamplingParams
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    engine = dict(spec.get("engine", {}))
+    engine.update(spec.get("rank_args", {}).get(os.environ.get("RANK", "0"), {}))
+    llm = LLM(spec["model"], skip_tokenizer_init=True, **engine)
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    result = {"rank": int(os.environ.get("RANK", 0)),
+              "tokens": [o.outputs[0].token_ids for o in outs],
+              "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs] for o in outs]}
+    if spec.get("weight_bytes"):
+        from infer.bench.runners import held_bytes
+
+        result["weight_bytes"] = held_bytes(llm.engine.runner)
+    llm.engine.shutdown()
+    if spec.get("out"):  # one file per rank: ranks sharing a stdout pipe can interleave long lines
+        with open(os.path.join(spec["out"], f"rank{result['rank']}.json"), "w") as f:
+            json.dump(result, f)
+    else:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

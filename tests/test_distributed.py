@@ -1,0 +1,321 @@
+"""Tensor parallelism: the sharded graph and program, then real multi-process runs
+(gloo on the CPU) against one process: the mp executor, torchrun's
+external launcher, two 'nodes' on loopback, and the failures users hit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.core.graph import Graph
+from infer.core.lowering import lower
+from infer.core.models.llama import build_llama
+from infer.core.models.moe import build_moe
+from infer.core.parallel import HeadLayout, shard_graph
+
+HERE = Path(__file__).parent
+GENERATE = HERE / "distributed" / "generate.py"
+PROMPTS = [[1, 5, 9, 33, 100], list(range(3, 40)), [7] * 20]
+
+
+# -- the sharded graph (one process) ----------------------------------------------
+def llama_config(**kw):
+    cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=160, num_hidden_layers=2, vocab_size=211, max_position_embeddings=256,
+               rms_norm_eps=1e-5, rope_theta=10000.0)
+    return cfg | kw
+
+
+def test_head_layout_splits_or_replicates_kv_heads():
+    # SmolLM2: 9 query heads, 3 KV heads over 3 ranks: 3 query heads and 1 KV head each
+    assert [HeadLayout.of(9, 3, r, 3) for r in range(3)] == [HeadLayout(3, 3 * r, 1, r) for r in range(3)]
+    # fewer KV heads than ranks: each KV head is replicated on the ranks whose query heads read it
+    layouts = [HeadLayout.of(8, 2, r, 4) for r in range(4)]
+    assert [x.first_kv_head for x in layouts] == [0, 0, 1, 1]
+    for x in layouts:  # every query head of the rank belongs to the rank's KV head (group size 4)
+        assert {q // 4 for q in range(x.first_head, x.first_head + x.num_heads)} == {x.first_kv_head}
+    with pytest.raises(ValueError, match="does not divide num_attention_heads=9"):
+        HeadLayout.of(9, 3, 0, 2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        HeadLayout.of(12, 3, 0, 4)
+
+
+def test_shard_graph_param_shapes_and_slices():
+    g = build_llama(llama_config(tie_word_embeddings=False))
+    full = {n: p.shape for n, p in g.params.items()}
+    for rank in range(2):
+        s = shard_graph(g, rank, 2)
+        p = s.params
+        # q/k/v: 2 of 4 query heads and 1 of 2 KV heads, read from the rank's rows of each tensor
+        assert p["layers.0.qkv_proj"].shape == ((2 + 1 + 1) * 32, 128)
+        assert p["layers.0.qkv_proj"].slices == ((0, ((64 * rank, 64 * rank + 64),)), (0, ((32 * rank, 32 * rank + 32),)),
+                                                 (0, ((32 * rank, 32 * rank + 32),)))
+        assert p["layers.0.o_proj"].shape == (128, 64) and p["layers.0.o_proj"].slices == ((1, ((64 * rank, 64 * rank + 64),)),)
+        assert p["layers.0.gate_up_proj"].shape == (160, 128)
+        assert p["layers.0.gate_up_proj"].slices == ((0, ((80 * rank, 80 * rank + 80),)),) * 2
+        assert p["layers.0.down_proj"].shape == (128, 80)
+        # vocabulary 211 over 2 ranks: 106 rows each, the second shard padded with one zero row
+        assert p["embed_tokens"].shape == (106, 128) and p["embed_tokens"].pad_rows == rank
+        assert p["embed_tokens"].slices == ((0, ((106 * rank, min(211, 106 * rank + 106)),)),)
+        assert p["norm"] == g.params["norm"]  # replicated
+        attn = next(n for n in s.nodes if n.op == "attention")
+        assert (attn.attrs["num_heads"], attn.attrs["num_kv_heads"]) == (2, 1)
+        assert s.kv_heads() == 1
+    assert {n: p.shape for n, p in g.params.items()} == full  # the original graph is untouched
+
+
+def test_row_parallel_bias_is_added_once():
+    cfg = llama_config(attention_bias=True, mlp_bias=True)
+    g = build_llama(cfg)
+    s0, s1 = shard_graph(g, 0, 2), shard_graph(g, 1, 2)
+    for name in ("layers.0.o_bias", "layers.0.down_bias"):
+        assert not s0.params[name].zeros and s0.params[name].sources == g.params[name].sources
+        assert s1.params[name].zeros and s1.params[name].sources == ()
+
+
+def test_moe_experts_are_split_inside_each_expert():
+    cfg = dict(architectures=["MixtralForCausalLM"], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=211,
+               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
+    s = shard_graph(build_moe(cfg), 1, 2)
+    w13, w2 = s.params["layers.0.mlp.w13"], s.params["layers.0.mlp.w2"]
+    assert w13.shape == (4, 48, 64) and w13.slices == ((1, ((24, 48), (72, 96))),)  # gate rows, then up rows
+    assert w2.shape == (4, 64, 24) and w2.slices == ((2, ((24, 48),)),)
+    assert s.params["layers.0.mlp.router"].slices == ()  # the router is replicated
+
+
+def test_program_reduces_each_block_once_and_gathers_logits():
+    g = shard_graph(build_llama(llama_config()), 0, 2)
+    program = lower(g)
+    prims = [c.primitive for c in program.calls]
+    # embedding + (attention + mlp) per layer
+    assert prims.count("all_reduce") == 1 + 2 * 2
+    assert prims.count("all_gather") == 1
+    for i, c in enumerate(program.calls):
+        if c.primitive == "all_reduce":
+            assert program.calls[i - 1].primitive in ("linear", "mask_rows") and c.attrs["group"] == "tp"
+    text = program.format()
+    assert "all_reduce(%attn_out, group=tp)" in text and "all_gather(%lm_head.shard, dim=-1, group=tp)" in text
+    # the padding of the last vocabulary shard is cut off after the gather
+    assert "split(%lm_head.gathered, sizes=(211, 1))" in text
+    assert "all_reduce" not in lower(build_llama(llama_config())).format()  # one rank: no collectives
+
+
+def test_shared_expert_is_reduced_with_the_moe_not_alone():
+    cfg = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+               intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
+               shared_expert_intermediate_size=48, num_hidden_layers=1, vocab_size=64, max_position_embeddings=64,
+               rms_norm_eps=1e-5, rope_theta=10000.0)
+    g = shard_graph(build_moe(cfg), 0, 2)
+    assert "layers.0.mlp.shared_expert" not in g.partial and "layers.0.mlp" in g.partial
+
+
+def test_onnx_export_shows_the_collectives():
+    onnx = pytest.importorskip("onnx")
+    from infer.core.onnx_export import to_onnx
+
+    model = to_onnx(lower(shard_graph(build_llama(llama_config()), 1, 2)))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("AllReduce") == 5 and ops.count("AllGather") == 1
+    assert isinstance(model, onnx.ModelProto)
+
+
+# -- real ranks -------------------------------------------------------------------
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", INFER_DIST_TIMEOUT_S="60")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    return env
+
+
+def generate(model: str, engine: dict, prompts=PROMPTS, max_tokens: int = 8, launcher: list[str] | None = None,
+             timeout: float = 300, **extra) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        spec = json.dumps({"model": model, "engine": engine, "prompts": prompts, "max_tokens": max_tokens, "out": out,
+                           **extra})
+        cmd = (launcher or [sys.executable]) + [str(GENERATE), spec]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+
+
+def assert_same_generation(a: dict, b: dict, atol: float = 1e-4) -> None:
+    assert a["tokens"] == b["tokens"]
+    for pa, pb in zip(a["logprobs"], b["logprobs"]):
+        for sa, sb in zip(pa, pb):
+            assert sa.keys() == sb.keys()
+            np.testing.assert_allclose([sa[k] for k in sa], [sb[k] for k in sa], atol=atol)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from tiny_models import random_model
+    from tiny_moe_models import save_moe_model
+
+    root = tmp_path_factory.mktemp("tp-models")
+    model, _, _ = random_model("LlamaConfig", "LlamaForCausalLM", hidden_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=160, num_hidden_layers=2, vocab_size=211,
+                               max_position_embeddings=256)
+    model.save_pretrained(root / "llama")
+    save_moe_model("mixtral", root / "mixtral")
+    save_moe_model("qwen2_moe", root / "qwen2_moe")
+    return {"llama": str(root / "llama"), "mixtral": str(root / "mixtral"), "qwen2_moe": str(root / "qwen2_moe")}
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen2_moe"])
+def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+    [one] = generate(tiny_dirs[kind], engine)
+    [two] = generate(tiny_dirs[kind], engine | {"tensor_parallel_size": 2})
+    assert_same_generation(one, two)
+
+
+def test_tp2_on_the_reference_backend(tiny_dirs):
+    engine = {"backend": "cpu_ref", "max_model_len": 128}
+    [one] = generate(tiny_dirs["llama"], engine, max_tokens=4)
+    [two] = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2}, max_tokens=4)
+    assert_same_generation(one, two)
+
+
+def test_torchrun_external_launcher(tiny_dirs):
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+    [one] = generate(tiny_dirs["llama"], engine)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ranks = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2,
+                                                   "distributed_executor_backend": "external_launcher"},
+                     launcher=torchrun)
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:  # every rank ran the whole engine and sampled the same tokens
+        assert_same_generation(one, r)
+
+
+def test_ranks_that_disagree_fail_at_startup(tiny_dirs):
+    spec = json.dumps({"model": tiny_dirs["llama"], "engine": {"backend": "torch", "tensor_parallel_size": 2,
+                                                                 "distributed_executor_backend": "external_launcher"},
+                       "rank_args": {"1": {"max_model_len": 64}}, "prompts": [[1, 2]]})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(GENERATE), spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode != 0
+    assert "ranks disagree: rank 1 runs {'max_model_len': 64}" in proc.stderr
+
+
+def test_weights_per_rank_are_a_shard(tiny_dirs):
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+    [one] = generate(tiny_dirs["llama"], engine, max_tokens=1, weight_bytes=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ranks = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2,
+                                                   "distributed_executor_backend": "external_launcher"},
+                     max_tokens=1, launcher=torchrun, weight_bytes=True)
+    norms = 4 * 128 * 5  # 2 layers x 2 norms + the final norm: replicated, float32
+    for r in ranks:  # everything else is split in two (one padding row of the vocabulary aside)
+        assert r["weight_bytes"] - norms == pytest.approx((one["weight_bytes"] - norms) / 2, rel=0.01)
+
+
+def test_a_dead_worker_fails_the_engine_naming_the_rank(tiny_dirs):
+    script = f"""
+import os, signal, sys, time
+import torch
+from infer import LLM, SamplingParams
+llm = LLM({tiny_dirs['llama']!r}, backend="torch", tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=128)
+p = SamplingParams(max_tokens=4, temperature=0)
+llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], p, use_tqdm=False)
+os.kill(llm.engine.dist.workers[0].pid, signal.SIGKILL)
+start = time.monotonic()
+try:
+    llm.generate([{{"prompt_token_ids": [1, 2, 3, 4]}}], p, use_tqdm=False)
+except RuntimeError as exc:
+    print("FAILED", round(time.monotonic() - start, 1), exc, flush=True)
+    sys.exit(3)
+print("NO ERROR")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FAILED"))
+    assert "rank 1" in line
+    assert float(line.split()[1]) < 30
+
+
+@pytest.mark.slow
+def test_three_nodes_on_loopback_serve_the_openai_client():
+    """SmolLM2 (9 heads, 3 KV heads) at TP=3 over three 'nodes' on loopback: node 0
+    serves the API with rank 0, nodes 1 and 2 (--headless) run ranks 1 and 2; the
+    real `openai` client gets the text one process generates."""
+    openai = pytest.importorskip("openai")
+    from infer import LLM, SamplingParams
+    from infer.core.distributed import free_port
+
+    prompt = "The capital of France is"
+    port, api = free_port(), free_port()
+    base = ["--model", "smollm2", "--max-model-len", "256", "--tensor-parallel-size", "3", "--nnodes", "3",
+            "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    cli = [sys.executable, "-m", "infer", "serve"]
+    head = subprocess.Popen(cli + base + ["--node-rank", "0", "--port", str(api)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [subprocess.Popen(cli + base + ["--node-rank", str(n), "--headless"], env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (1, 2)]
+    try:
+        line = head.stdout.readline()  # the server prints one line once it listens (or dies: EOF)
+        assert "on http://" in line, head.stderr.read()[-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="x")
+        got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+        llm = LLM("smollm2", max_model_len=256)
+        want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+        assert got.choices[0].text == want.outputs[0].text
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            assert head.wait(60) == 0
+        finally:
+            head.kill()
+        for w in workers:  # the driver stopped them: a clean exit
+            assert w.wait(60) == 0, w.stderr.read()[-3000:]
+
+
+def test_server_with_a_dead_rank_answers_503_then_exits_naming_it(tiny_dirs):
+    """`infer serve -tp 2`: killing the worker rank turns /health to 503 and the
+    server exits non-zero within seconds, saying which rank died."""
+    import urllib.error
+    import urllib.request
+
+    from infer.core.distributed import free_port
+
+    api = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "infer", "serve", "--model", tiny_dirs["llama"], "--backend", "torch",
+                               "--max-model-len", "128", "--tensor-parallel-size", "2", "--port", str(api)],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def health() -> int:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{api}/health", timeout=5).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert "on http://" in server.stdout.readline(), server.stderr.read()[-3000:]
+        assert health() == 200
+        worker = int(subprocess.run(["pgrep", "-P", str(server.pid), "-f", "infer.core.worker"], capture_output=True,
+                                    text=True).stdout.split()[0])
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        codes = []
+        while server.poll() is None and time.monotonic() - killed < 30:
+            try:
+                codes.append(health())
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.2)
+        assert server.wait(5) == 1
+        assert time.monotonic() - killed < 15
+        assert 503 in codes
+        assert f"rank 1 (pid {worker}) exited with code -9" in server.stderr.read()
+    finally:
+        server.kill()
