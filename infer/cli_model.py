@@ -153,12 +153,16 @@ def add_graph(sub) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--backend", default="auto", help="whose fused nodes to honour while lowering")
     p.add_argument("--onnx", default=None, metavar="PATH", help="write the lowered graph as ONNX (domain 'infer')")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="show one rank's program of this tensor-parallel size (its collectives included)")
+    p.add_argument("--rank", type=int, default=0, help="which tensor-parallel rank to show")
     p.set_defaults(func=cmd_graph)
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
     from .core.loader import load_model
     from .core.lowering import lower
+    from .core.parallel import shard_graph
     from .registry import get_backend, registry
 
     reg = registry()
@@ -168,7 +172,13 @@ def cmd_graph(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"infer graph: {exc}", file=sys.stderr)
         return 2
-    program = lower(reg.models[m.architecture](m.config), fuses=lambda op, attrs: bool(backend.fuses(op, **attrs)))
+    graph = reg.models[m.architecture](m.config)
+    try:
+        graph = shard_graph(graph, args.rank, args.tensor_parallel_size)
+    except ValueError as exc:
+        print(f"infer graph: {exc}", file=sys.stderr)
+        return 2
+    program = lower(graph, fuses=lambda op, attrs: bool(backend.fuses(op, **attrs)))
     try:
         print(program.format())
     except BrokenPipeError:  # `infer graph | head`

@@ -14,6 +14,8 @@ With a `DispatchTrace`, every bound call counts which of these served it:
 
 from __future__ import annotations
 
+import time
+
 import functools
 import inspect
 from collections import Counter
@@ -41,9 +43,17 @@ class DispatchTrace:
     """
 
     counts: Counter = field(default_factory=Counter)
+    # With `timed`, also the wall seconds each (node, call, implementation) took (no
+    # device sync: on an accelerator that is launch time, on the CPU compute time).
+    timed: bool = False
+    seconds: Counter = field(default_factory=Counter)
 
     def count(self, node: str, call: str, implementation: str, n: int = 1) -> None:
         self.counts[(node, call, implementation)] += n
+
+    def clear(self) -> None:
+        self.counts.clear()
+        self.seconds.clear()
 
     def rows(self) -> list[tuple[str, str, str, int]]:
         return [(*k, n) for k, n in sorted(self.counts.items())]
@@ -135,17 +145,22 @@ class Ops:
         """The callable for one call site of `node`; counted when tracing."""
         if self.trace is None:
             return self.resolve(primitive, **kw)[0]
-        impl, count = self.implementation(primitive, **kw), self.trace.count
+        impl, trace = self.implementation(primitive, **kw), self.trace
+        count, seconds = trace.count, trace.seconds
         fast, general = impl.fast, impl.general
 
         def call(*args):
+            start = time.perf_counter() if trace.timed else 0.0
+            label, out = impl.label, NotImplemented
             if fast is not None:
                 out = fast(*args)
-                if out is not NotImplemented:
-                    count(node, primitive, impl.fast_label)
-                    return out
-            count(node, primitive, impl.label)
-            return general(*args)
+                label = impl.fast_label
+            if out is NotImplemented:
+                label, out = impl.label, general(*args)
+            count(node, primitive, label)
+            if start:
+                seconds[(node, primitive, label)] += time.perf_counter() - start
+            return out
 
         return _checked(primitive, call) if self.validate else call
 

@@ -37,16 +37,26 @@ def llama_config(**kw):
 
 def test_head_layout_splits_or_replicates_kv_heads():
     # SmolLM2: 9 query heads, 3 KV heads over 3 ranks: 3 query heads and 1 KV head each
-    assert [HeadLayout.of(9, 3, r, 3) for r in range(3)] == [HeadLayout(3, 3 * r, 1, r) for r in range(3)]
-    # fewer KV heads than ranks: each KV head is replicated on the ranks whose query heads read it
+    assert [HeadLayout.of(9, 3, r, 3) for r in range(3)] == [HeadLayout(3, 3 * r, (r,)) for r in range(3)]
+    # fewer KV heads than ranks: each KV head is on the ranks whose query heads read it
     layouts = [HeadLayout.of(8, 2, r, 4) for r in range(4)]
-    assert [x.first_kv_head for x in layouts] == [0, 0, 1, 1]
-    for x in layouts:  # every query head of the rank belongs to the rank's KV head (group size 4)
-        assert {q // 4 for q in range(x.first_head, x.first_head + x.num_heads)} == {x.first_kv_head}
-    with pytest.raises(ValueError, match="does not divide num_attention_heads=9"):
-        HeadLayout.of(9, 3, 0, 2)
-    with pytest.raises(ValueError, match="not a multiple"):
-        HeadLayout.of(12, 3, 0, 4)
+    assert [x.kv_heads for x in layouts] == [(0,), (0,), (1,), (1,)]
+
+
+@pytest.mark.parametrize("heads,kv,size", [(9, 3, 2), (9, 3, 3), (8, 2, 4), (12, 3, 4), (4, 2, 3), (9, 3, 4), (5, 1, 2)])
+def test_head_layout_pairs_every_query_head_with_its_kv_head(heads, kv, size):
+    """Whatever the split, the attention primitive's local pairing (query head j reads
+    local KV head j // (local heads / local KV heads)) must find the model's KV head."""
+    layouts = [HeadLayout.of(heads, kv, r, size) for r in range(size)]
+    assert [x.first_head for x in layouts] == list(np.cumsum([0] + [x.num_heads for x in layouts[:-1]]))
+    assert sum(x.num_heads for x in layouts) == heads and max(x.num_heads for x in layouts) - min(x.num_heads for x in layouts) <= 1
+    for x in layouts:
+        assert x.num_heads % x.num_kv_heads == 0
+        local_group = x.num_heads // x.num_kv_heads
+        for j in range(x.num_heads):
+            assert x.kv_heads[j // local_group] == (x.first_head + j) // (heads // kv)
+    with pytest.raises(ValueError, match="larger than num_attention_heads=9"):
+        HeadLayout.of(9, 3, 0, 10)
 
 
 def test_shard_graph_param_shapes_and_slices():
@@ -59,6 +69,7 @@ def test_shard_graph_param_shapes_and_slices():
         assert p["layers.0.qkv_proj"].shape == ((2 + 1 + 1) * 32, 128)
         assert p["layers.0.qkv_proj"].slices == ((0, ((64 * rank, 64 * rank + 64),)), (0, ((32 * rank, 32 * rank + 32),)),
                                                  (0, ((32 * rank, 32 * rank + 32),)))
+        assert p["layers.0.qkv_proj"].parts == (64, 32, 32)
         assert p["layers.0.o_proj"].shape == (128, 64) and p["layers.0.o_proj"].slices == ((1, ((64 * rank, 64 * rank + 64),)),)
         assert p["layers.0.gate_up_proj"].shape == (160, 128)
         assert p["layers.0.gate_up_proj"].slices == ((0, ((80 * rank, 80 * rank + 80),)),) * 2
@@ -165,17 +176,53 @@ def tiny_dirs(tmp_path_factory):
                                num_key_value_heads=2, intermediate_size=160, num_hidden_layers=2, vocab_size=211,
                                max_position_embeddings=256)
     model.save_pretrained(root / "llama")
+    # 3 query heads and 1 KV head, llama3 rope scaling: at TP=2 the heads split 2 + 1, the KV head on both ranks
+    from tiny_models import make_model
+
+    make_model("llama3")[0].save_pretrained(root / "llama3_uneven")
     save_moe_model("mixtral", root / "mixtral")
     save_moe_model("qwen2_moe", root / "qwen2_moe")
-    return {"llama": str(root / "llama"), "mixtral": str(root / "mixtral"), "qwen2_moe": str(root / "qwen2_moe")}
+    return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe")}
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe"])
 def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
     engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
     [one] = generate(tiny_dirs[kind], engine)
     [two] = generate(tiny_dirs[kind], engine | {"tensor_parallel_size": 2})
     assert_same_generation(one, two)
+
+
+@pytest.mark.parametrize("kind,tp,pp", [("llama", 1, 2), ("mixtral", 1, 2), ("llama", 2, 2)])
+def test_pipeline_stages_generate_what_one_process_does(tiny_dirs, kind, tp, pp):
+    """PP=2: layer 0 on the first stage, layer 1 and the head on the second; with TP=2
+    inside each stage, four processes."""
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+    [one] = generate(tiny_dirs[kind], engine)
+    [many] = generate(tiny_dirs[kind], engine | {"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
+    assert_same_generation(one, many)
+
+
+def test_stage_layers_split_evenly():
+    from infer.core.distributed import stage_layers
+
+    assert [stage_layers(30, s, 4) for s in range(4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert [stage_layers(2, s, 2) for s in range(2)] == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError, match="larger than the model's 2 layers"):
+        stage_layers(2, 0, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 3])
+def test_smollm2_tensor_parallel_matches_one_process(tp):
+    """The packaged SmolLM2 (9 heads, 3 KV heads, Q4_1 GGUF kept quantized): TP=3 splits
+    heads 3/3/3 with one KV head each; TP=2 splits them 5/4, each rank with its own copy
+    of the KV heads its query heads read, and the int4 groups on column boundaries."""
+    engine = {"max_model_len": 256}
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
+    [one] = generate("smollm2", engine, prompts=prompts, max_tokens=8)
+    [many] = generate("smollm2", engine | {"tensor_parallel_size": tp}, prompts=prompts, max_tokens=8)
+    assert_same_generation(one, many, atol=2e-3)
 
 
 def test_tp2_on_the_reference_backend(tiny_dirs):
@@ -194,6 +241,12 @@ def test_torchrun_external_launcher(tiny_dirs):
                      launcher=torchrun)
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:  # every rank ran the whole engine and sampled the same tokens
+        assert_same_generation(one, r)
+    ranks = generate(tiny_dirs["llama"], engine | {"pipeline_parallel_size": 2,
+                                                   "distributed_executor_backend": "external_launcher"},
+                     launcher=torchrun)
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:  # pipeline stages: the last one's logits reach every rank's sampler
         assert_same_generation(one, r)
 
 

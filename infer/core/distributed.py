@@ -71,8 +71,6 @@ class ParallelConfig:
                              f"split evenly over nnodes={self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("with nnodes > 1 every node must be given the same --master-addr and --master-port")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported yet; use tensor_parallel_size")
         if self.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 is not supported yet")
 
@@ -122,6 +120,63 @@ class DistributedState:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.config.tensor_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.config.tensor_parallel_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.config.pipeline_parallel_size - 1
+
+    def stage_layers(self, num_layers: int) -> tuple[int, int]:
+        """This rank's pipeline stage: layers [first, end), split as evenly as they go."""
+        return stage_layers(num_layers, self.pp_rank, self.config.pipeline_parallel_size)
+
+    # -- pipeline stages: activations forward, logits back to the sampler ------------
+    def send_carry(self, carry: dict[str, Any]) -> None:
+        """This stage's residual stream to the same tensor-parallel rank of the next stage."""
+        import torch.distributed as dist
+
+        dst = self.rank + self.config.tensor_parallel_size
+        for name in sorted(carry):
+            dist.send(_as_torch(carry[name]).contiguous(), dst)
+
+    def recv_carry(self, backend, names: tuple[str, ...], shape: tuple[int, ...], dtype: str) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        src, out = self.rank - self.config.tensor_parallel_size, {}
+        for name in sorted(names):
+            buf = backend.asarray(np.zeros(shape, np.float32), dtype)
+            dist.recv(_as_torch(buf), src)
+            out[name] = buf
+        return out
+
+    def share_logits(self, backend, logits, shape: tuple[int, ...]):
+        """The last stage's logits on the rank(s) that sample: rank 0 (mp; sent by
+        the last stage's first rank), or every rank (torchrun: each samples)."""
+        import torch.distributed as dist
+
+        last = (self.config.pipeline_parallel_size - 1) * self.config.tensor_parallel_size
+        if self.config.executor == "external_launcher":
+            if self.rank == last:
+                dist.broadcast(_as_torch(logits).contiguous(), last)
+                return logits
+            buf = backend.asarray(np.zeros(shape, np.float32))
+            dist.broadcast(_as_torch(buf), last)
+            return buf
+        if self.rank == last:
+            dist.send(_as_torch(logits).contiguous(), 0)
+            return logits
+        if self.rank == 0:
+            buf = backend.asarray(np.zeros(shape, np.float32))
+            dist.recv(_as_torch(buf), last)
+            return buf
+        return None
 
     @property
     def is_driver(self) -> bool:
@@ -191,6 +246,22 @@ class DistributedState:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def stage_layers(num_layers: int, stage: int, stages: int) -> tuple[int, int]:
+    """Layers [first, end) of pipeline stage `stage`; the first stages take one more when uneven."""
+    if stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size={stages} is larger than the model's {num_layers} layers")
+    per, extra = divmod(num_layers, stages)
+    first = stage * per + min(stage, extra)
+    return first, first + per + (stage < extra)
+
+
+def _as_torch(x):
+    """A torch view of a backend tensor (a NumPy array shares its memory) for torch.distributed."""
+    import torch
+
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
 
 
 def _digest(obj: dict) -> str:

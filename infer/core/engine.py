@@ -21,9 +21,9 @@ from .distributed import DistributedState, ParallelConfig, StepInput
 from .loader import load_model
 from .expert_load import ExpertLoad
 from .lowering import TP_GROUP, lower
-from .parallel import shard_graph
+from .parallel import max_kv_heads, shard_graph
 from .memory import trim_heap
-from .model_runner import ModelRunner
+from .model_runner import CARRIED, ModelRunner
 from .quant_params import QUANTIZATIONS
 from .outputs import RequestOutput
 from .request import Request, RequestStatus, SeqId
@@ -117,6 +117,8 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
                          f"(supported: {', '.join(backend.dtypes)})")
     graph = reg.models[m.architecture](m.config)
     if dist is not None:
+        if dist.config.pipeline_parallel_size > 1:
+            graph = graph.stage(*dist.stage_layers(graph.num_layers))
         graph = shard_graph(graph, dist.tp_rank, dist.config.tensor_parallel_size)
     program = lower(graph, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs)))
     model_len = graph.config.max_position_embeddings
@@ -135,15 +137,30 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     return ModelParts(m, graph, program, runner, name, max_model_len)
 
 
-def execute_step(runner: ModelRunner, step: StepInput):
-    """One step's forward on this rank from host inputs (a worker's, or the driver's)."""
+def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | None = None):
+    """One step's forward on this rank from host inputs (a worker's, or the driver's).
+
+    A pipeline stage after the first receives the previous stage's residual
+    stream, one before the last sends its own on; the last stage's logits go
+    to the rank(s) that sample (`DistributedState.share_logits`)."""
     be = runner.backend
     if step.block_copies:
         src, dst = (np.array(x, dtype=np.int64) for x in zip(*step.block_copies))
         for cache in runner.kv_caches:
             be.copy_blocks(cache, src, dst)
-    return runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
-                          runner.prepare_metadata(step.meta))
+    staged = dist is not None and dist.config.pipeline_parallel_size > 1
+    carry = None
+    if staged and not dist.is_first_stage:
+        shape = (len(step.input_ids), runner.config.hidden_size)
+        carry = dist.recv_carry(be, CARRIED, shape, runner.dtype)
+    out = runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
+                         runner.prepare_metadata(step.meta), carry)
+    if not staged:
+        return out
+    if not dist.is_last_stage:
+        dist.send_carry(out.carry)
+    logits = dist.share_logits(be, out.logits, (len(step.sample_rows), runner.config.vocab_size))
+    return dataclasses.replace(out, logits=logits, carry=None)
 
 
 def rank_backend(a: EngineArgs, local_rank: int):
@@ -242,7 +259,7 @@ class LLMEngine:
         if self.dist is None:
             return execute_step(self.runner, step)
         try:
-            return execute_step(self.runner, step)
+            return execute_step(self.runner, step, self.dist)
         except RuntimeError as exc:  # a collective whose peer died or timed out
             raise self.dist.lost(exc) from exc
 
@@ -263,6 +280,12 @@ class LLMEngine:
     def _cache_config(self, a: EngineArgs) -> CacheConfig:
         block_size = a.block_size or self.backend.preferred_block_size
         per_token = self.runner.kv_cache_bytes_per_block(1)
+        if self.dist is not None:  # every rank gets the same number of blocks: size them for the rank with most KV heads
+            cfg = self.runner.config
+            most = max_kv_heads(cfg.num_heads, cfg.num_kv_heads, self.parallel.tensor_parallel_size)
+            layers = max(b - a for a, b in (distributed.stage_layers(cfg.num_layers, s, self.parallel.pipeline_parallel_size)
+                                            for s in range(self.parallel.pipeline_parallel_size)))
+            per_token = per_token * most * layers // (self.runner.num_kv_heads * len(self.runner.layers))
         if a.num_gpu_blocks_override:
             return CacheConfig(block_size, num_blocks=a.num_gpu_blocks_override,
                                enable_prefix_caching=a.enable_prefix_caching).resolve(block_size)

@@ -59,13 +59,18 @@ class ModelRunner:
         # One cos/sin table per rotary dim the program uses, shared by every layer.
         dims = {c.attrs["rotary_dim"] for c in program.primitive_calls() if c.primitive == "rotary"}
         self._rope = {d: backend.asarray(cos_sin_cache(self.config.raw, d, max_positions)) for d in sorted(dims)}
+        # The decoder layers this program runs (a pipeline stage runs a range of them);
+        # KV caches exist for these only, in this order.
+        self.layers = sorted({n.layer for n in program.graph.nodes if n.op == "attention"})
         self.kv_caches: list[Any] = []
-        self.contexts: list[LayerContext] = []
+        self.contexts: dict[int, LayerContext] = {}
+        # The program's results: logits, or on a stage before the last what the next stage needs.
+        self.outputs = ("logits",) if any(n.op == "lm_head" for n in program.graph.nodes) else CARRIED
         self._node_ops = {n.name: n.op for n in program.graph.nodes}
         self._load_params(weights, progress)
         # Each MoE layer's tokens-per-expert value: forward returns it (ForwardOutput.expert_counts).
         self._count_outputs = tuple((c.layer, c.outputs[1]) for c in program.primitive_calls() if c.primitive == "moe")
-        self._dead = program.dead_after(("logits", *(name for _, name in self._count_outputs)))
+        self._dead = program.dead_after((*self.outputs, *(name for _, name in self._count_outputs)))
         self.attention_key: dict[str, Any] = {}  # the dispatch key of the attention calls (set when bound)
         self._steps: list[Callable[[dict], None]] = []
         self._checked_steps: list[Callable[[dict], None]] = []
@@ -187,7 +192,7 @@ class ModelRunner:
         """Allocate every layer's cache and bind the program to them (see `LayerContext`)."""
         cfg = self.config
         shape = (num_blocks, block_size, self.num_kv_heads, cfg.head_dim)
-        layers = range(self.program.graph.num_layers)
+        layers = self.layers
         if self.kv_cache_dtype != "fp8":
             self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in layers]
         else:
@@ -199,20 +204,20 @@ class ModelRunner:
             else:
                 self.kv_caches = [self.backend.asarray(np.zeros(owner.kv_cache_shape(*shape), np.uint8)) for _ in layers]
         fp8 = self.kv_cache_dtype == "fp8"
-        self.contexts = [LayerContext(i, cache, self.kv_cache_dtype, self.kv_scales[i] if fp8 else None, self._rope)
-                         for i, cache in enumerate(self.kv_caches)]
+        self.contexts = {i: LayerContext(i, cache, self.kv_cache_dtype, self.kv_scales[i] if fp8 else None, self._rope)
+                         for i, cache in zip(layers, self.kv_caches)}
         fast = self.ops.unchecked()
         self._checked_steps = [self._bind(c, self.ops) for c in self.program.calls]
         self._steps = [self._bind(c, fast) for c in self.program.calls]
         self._validated = False
 
     def release_kv_caches(self) -> None:
-        self.kv_caches, self.contexts, self._steps, self._checked_steps = [], [], [], []
+        self.kv_caches, self.contexts, self._steps, self._checked_steps = [], {}, [], []
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
         itemsize = 1 if self.kv_cache_dtype == "fp8" else 4 if self.dtype == "float32" else 2
-        return 2 * block_size * self.num_kv_heads * cfg.head_dim * itemsize * self.program.graph.num_layers
+        return 2 * block_size * self.num_kv_heads * cfg.head_dim * itemsize * len(self.layers)
 
     def _bind(self, c: Call, ops) -> Callable[[dict], None]:
         if c.primitive in VIEW_OPS:
@@ -298,21 +303,30 @@ class ModelRunner:
         """A step's host metadata on the device, with the plan of the backend that serves this model's attention."""
         return self.ops.prepare_metadata(meta, **self.attention_key)
 
-    def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata) -> ForwardOutput:
+    def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata,
+                carry: dict[str, Any] | None = None) -> ForwardOutput:
         """Logits [S, vocab] (float32) of the rows in `sample_rows`, and each MoE
-        layer's tokens per expert; all inputs on the device."""
+        layer's tokens per expert; all inputs on the device. A pipeline stage after
+        the first starts from `carry` (the previous stage's ``hidden`` and
+        ``residual``); one before the last returns its own carry instead of logits."""
         if not self._steps:
             raise RuntimeError("ModelRunner.forward before allocate_kv_caches")
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta,
-               "slot_mapping": meta.slot_mapping}
+               "slot_mapping": meta.slot_mapping, **(carry or {})}
         steps = self._steps if self._validated else self._checked_steps
         for step, dead in zip(steps, self._dead):
             step(env)
             for name in dead:
                 del env[name]
         self._validated = True
-        return ForwardOutput(self.backend.cast(env["logits"], "float32"),
-                             {layer: env[name] for layer, name in self._count_outputs})
+        counts = {layer: env[name] for layer, name in self._count_outputs}
+        if self.outputs is CARRIED:
+            return ForwardOutput(None, counts, {name: env[name] for name in CARRIED})
+        return ForwardOutput(self.backend.cast(env["logits"], "float32"), counts)
+
+
+# What a pipeline stage hands the next: the residual stream after its last layer.
+CARRIED = ("hidden", "residual")
 
 
 class _Slot:
@@ -373,4 +387,11 @@ def _read_pieces(weights: Mapping[str, Any], source: str, spec):
             else:
                 piece = np.asarray(whole)[(slice(None),) * axis + (slice(lo, hi),)]
         pieces.append(piece)
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
+    if len(pieces) == 1:
+        return pieces[0]
+    if isinstance(pieces[0], WeightHandle):
+        if axis != 0:
+            raise ValueError(f"{source}: a quantized tensor is sharded by rows or by one column range, "
+                             f"not by {len(pieces)} column ranges")
+        return quant_params.concat_rows(pieces)
+    return np.concatenate(pieces, axis=axis)

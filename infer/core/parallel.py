@@ -7,7 +7,8 @@ this rank reads (`Param.slices`), attention nodes see this rank's heads, and
 follows with an `all_reduce`:
 
 - column-parallel (output features split): q/k/v and gate/up, each part of a
-  fused projection split on its own; MoE expert ``w13`` the same way inside
+  fused projection split on its own (unevenly when the size does not divide
+  it: the first ranks take one more head or row); MoE expert ``w13`` the same way inside
   every expert (tensor parallel inside experts, not expert parallel: every rank
   keeps every expert, so routing skew cannot load one rank more than another,
   and the `moe` primitive runs unchanged on the shard);
@@ -18,9 +19,9 @@ follows with an `all_reduce`:
   padded to ``ceil(V / size)`` rows per rank. The embedding looks up only the
   ids in this rank's range (others give zero rows) and the all_reduce adds the
   ranks' rows; lm_head's logits are all-gathered along the vocabulary;
-- KV heads split across ranks, or replicated when there are fewer KV heads
-  than ranks (rank r serves KV head ``r * kv_heads // size``, which is the
-  one its query heads read);
+- KV heads: each rank keeps the KV heads its query heads read, so they are
+  split when there are at least as many as ranks and replicated when fewer
+  (see `HeadLayout`);
 - norms, the router and the shared-expert gate replicated.
 """
 
@@ -31,32 +32,47 @@ import dataclasses
 from .graph import Graph, Node, Param
 
 
-def _cut(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
-    if n % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide {what}={n}")
-    step = n // size
-    return rank * step, (rank + 1) * step
+def _cut(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank`'s range of `n` items split `size` ways, the first ranks one more when uneven."""
+    per, extra = divmod(n, size)
+    lo = rank * per + min(rank, extra)
+    return lo, lo + per + (rank < extra)
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
-    """One rank's attention heads."""
+    """One rank's attention heads: a contiguous range of query heads, and the
+    checkpoint KV head each of its local KV heads is read from."""
 
     num_heads: int  # query heads on this rank
     first_head: int
-    num_kv_heads: int
-    first_kv_head: int
+    kv_heads: tuple[int, ...]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
 
     @classmethod
     def of(cls, num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadLayout:
-        q0, q1 = _cut(num_heads, rank, size, "num_attention_heads")
-        if num_kv_heads >= size:
-            k0, k1 = _cut(num_kv_heads, rank, size, "num_key_value_heads")
-            return cls(q1 - q0, q0, k1 - k0, k0)
-        if size % num_kv_heads:
-            raise ValueError(f"tensor_parallel_size={size} is larger than num_key_value_heads={num_kv_heads} and not "
-                             "a multiple of it, so KV heads cannot be replicated evenly")
-        return cls(q1 - q0, q0, 1, rank * num_kv_heads // size)
+        """Query heads split as evenly as the count allows (the first ranks get one more
+        when `size` does not divide them). Each rank keeps the KV heads its query heads
+        read, so a KV head shared by two ranks is on both. Attention pairs query head j
+        with KV head ``j // group`` locally; where the rank's heads do not form equal
+        groups (an uneven split), every query head gets its own copy of its KV head."""
+        if size > num_heads:
+            raise ValueError(f"tensor_parallel_size={size} is larger than num_attention_heads={num_heads}")
+        q0, q1 = _cut(num_heads, rank, size)
+        group = num_heads // num_kv_heads
+        kv = tuple(range(q0 // group, (q1 - 1) // group + 1))
+        served = [sum(1 for q in range(q0, q1) if q // group == k) for k in kv]
+        if len(set(served)) != 1:  # unequal local groups: one KV copy per query head
+            kv = tuple(q // group for q in range(q0, q1))
+        return cls(q1 - q0, q0, kv)
+
+
+def max_kv_heads(num_heads: int, num_kv_heads: int, size: int) -> int:
+    """The most KV heads any rank holds (what sizes every rank's KV cache alike)."""
+    return max(HeadLayout.of(num_heads, num_kv_heads, r, size).num_kv_heads for r in range(size))
 
 
 def shard_graph(graph: Graph, rank: int, size: int) -> Graph:
@@ -93,10 +109,11 @@ def _partial_nodes(nodes: list[Node]) -> frozenset[str]:
 
 def _shard_param(p: Param, role: str, heads: HeadLayout, d: int, rank: int, size: int) -> Param:
     if role in ("qkv_proj", "qkv_bias"):
-        q, kv = heads.num_heads * d, heads.num_kv_heads * d
-        ranges = [(heads.first_head * d, heads.first_head * d + q), (heads.first_kv_head * d, heads.first_kv_head * d + kv),
-                  (heads.first_kv_head * d, heads.first_kv_head * d + kv)]
-        return _pieces(p, 0, ranges)
+        q = [(heads.first_head * d, (heads.first_head + heads.num_heads) * d)]
+        kv = _merge([(k * d, (k + 1) * d) for k in heads.kv_heads])
+        return _pieces(p, 0, [q, kv, kv])
+    if role == "o_proj":  # the input columns of this rank's query heads
+        return _pieces(p, 1, [[(heads.first_head * d, (heads.first_head + heads.num_heads) * d)]])
     if role in ("o_bias", "down_bias"):  # row-parallel bias: rank 0 adds it once
         return p if rank == 0 else dataclasses.replace(p, zeros=True, sources=())
     if p.shard == "replicated":
@@ -104,32 +121,43 @@ def _shard_param(p: Param, role: str, heads: HeadLayout, d: int, rank: int, size
     if p.shard == "column":
         axis = 0 if len(p.shape) == 1 else len(p.shape) - 2
         parts = p.parts or (p.shape[axis],)
-        return _pieces(p, axis, [_cut(n, rank, size, f"{p.name} output features") for n in parts])
+        return _pieces(p, axis, [[_cut(n, rank, size)] for n in parts])
     if p.shard == "row":
         axis = len(p.shape) - 1
-        lo, hi = _cut(p.shape[axis], rank, size, f"{p.name} input features")
-        return _pieces(p, axis, [(lo, hi)])
+        return _pieces(p, axis, [[_cut(p.shape[axis], rank, size)]])
     # vocab: rows in ceil(V / size) blocks, the last ones padded with zero rows
     vocab = p.shape[0]
     per_rank = -(-vocab // size)
     lo, hi = min(rank * per_rank, vocab), min((rank + 1) * per_rank, vocab)
-    out = _pieces(p, 0, [(lo, hi)])
+    out = _pieces(p, 0, [[(lo, hi)]])
     return dataclasses.replace(out, shape=(per_rank,) + p.shape[1:], pad_rows=per_rank - (hi - lo))
 
 
-def _pieces(p: Param, axis: int, ranges: list[tuple[int, int]]) -> Param:
-    """`p` reading ``ranges`` (one per part, in the parts' own coordinates) along `axis`."""
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ranges joined (one read instead of several); repeats are kept."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _pieces(p: Param, axis: int, ranges: list[list[tuple[int, int]]]) -> Param:
+    """`p` reading, for each of its parts, the ranges (in the part's own
+    coordinates, concatenated in order) along `axis`."""
     parts = p.parts or (p.shape[axis],)
     if len(ranges) != len(parts):
-        raise ValueError(f"param {p.name}: {len(ranges)} ranges for {len(parts)} parts")
+        raise ValueError(f"param {p.name}: ranges for {len(ranges)} parts, it has {len(parts)}")
     if len(p.sources) == len(parts):  # one checkpoint tensor per part (q, k, v): each sliced on its own
-        slices = tuple((axis, ((lo, hi),)) for lo, hi in ranges)
+        slices = tuple((axis, tuple(r)) for r in ranges)
     elif len(p.sources) == 1:  # one tensor holding every part (an expert's gate rows then up rows)
         offsets = [sum(parts[:i]) for i in range(len(parts))]
-        slices = ((axis, tuple((o + lo, o + hi) for o, (lo, hi) in zip(offsets, ranges))),)
+        slices = ((axis, tuple((o + lo, o + hi) for o, r in zip(offsets, ranges) for lo, hi in r)),)
     else:
         raise ValueError(f"param {p.name}: {len(p.sources)} sources for {len(parts)} parts")
+    sizes = tuple(sum(hi - lo for lo, hi in r) for r in ranges)
     shape = list(p.shape)
-    shape[axis] = sum(hi - lo for lo, hi in ranges)
-    local_parts = tuple(hi - lo for lo, hi in ranges) if p.parts else ()
-    return dataclasses.replace(p, shape=tuple(shape), parts=local_parts, slices=slices)
+    shape[axis] = sum(sizes)
+    return dataclasses.replace(p, shape=tuple(shape), parts=sizes if p.parts else (), slices=slices)

@@ -37,7 +37,7 @@ def run(spec: dict) -> None:
             message = dist.broadcast(None)
             kind = message[0]
             if kind == "step":
-                execute_step(runner, message[1])
+                execute_step(runner, message[1], dist)
             elif kind == "kv":
                 runner.allocate_kv_caches(message[1], message[2])
             elif kind == "release":

@@ -51,3 +51,6 @@ class ForwardOutput:
 
     logits: Any
     expert_counts: dict[int, Any] = field(default_factory=dict)
+    # A pipeline stage before the last: the values the next stage starts from
+    # (``hidden``, ``residual``); its logits are None.
+    carry: dict[str, Any] | None = None
