@@ -372,3 +372,43 @@ def test_server_with_a_dead_rank_answers_503_then_exits_naming_it(tiny_dirs):
         assert f"rank 1 (pid {worker}) exited with code -9" in server.stderr.read()
     finally:
         server.kill()
+
+
+def test_data_parallel_replicas_behind_one_server(tiny_dirs):
+    """--data-parallel-size 2: concurrent requests spread over both replicas (per-replica
+    metrics), each answer is what one process generates, and nothing stays in flight."""
+    openai = pytest.importorskip("openai")
+    import asyncio
+    import urllib.request
+
+    from infer.core.distributed import free_port
+
+    api = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "infer", "serve", "--model", tiny_dirs["llama"], "--backend", "torch",
+                               "--dtype", "float32", "--max-model-len", "128", "--data-parallel-size", "2",
+                               "--port", str(api)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "on http://" in server.stdout.readline(), server.stderr.read()[-3000:]
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="x")
+
+        async def ask_all():
+            return await asyncio.gather(*(client.completions.create(model=tiny_dirs["llama"], prompt=p, max_tokens=8,
+                                                                    temperature=0, logprobs=1) for p in PROMPTS * 2))
+
+        answers = asyncio.run(ask_all())
+        [one] = generate(tiny_dirs["llama"], {"backend": "torch", "dtype": "float32", "max_model_len": 128})
+        for answer, want in zip(answers, one["logprobs"] * 2):
+            np.testing.assert_allclose(answer.choices[0].logprobs.token_logprobs, [max(s.values()) for s in want],
+                                       atol=1e-4)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{api}/metrics").read().decode()
+        done = {e: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("infer:request_success_total{") and f'engine="{e}"' in line) for e in "01"}
+        assert done["0"] > 0 and done["1"] > 0 and done["0"] + done["1"] == 2 * len(PROMPTS)
+        running = [line for line in text.splitlines() if line.startswith("infer:num_requests_running{")]
+        assert len(running) == 2 and all(line.endswith(" 0.0") for line in running)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            assert server.wait(60) == 0
+        finally:
+            server.kill()

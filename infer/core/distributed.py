@@ -71,8 +71,6 @@ class ParallelConfig:
                              f"split evenly over nnodes={self.nnodes}")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("with nnodes > 1 every node must be given the same --master-addr and --master-port")
-        if self.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not supported yet")
 
     @property
     def world_size(self) -> int:

@@ -83,15 +83,19 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # Which data-parallel replica this engine is (`infer serve` sets it; its ranks use the
+    # devices after the earlier replicas', and with --master-port, the port + this index).
+    data_parallel_rank: int = 0
 
     def parallel_config(self) -> ParallelConfig:
+        port = self.master_port + self.data_parallel_rank if self.master_port else self.master_port
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                              self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
-                              self.master_port)
+                              self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr, port)
 
 
 # What must be equal on every rank of a job (the rest is per rank or per node).
-_PER_RANK_ARGS = ("device", "show_progress", "node_rank", "skip_tokenizer_init", "trace_dispatch", "master_port")
+_PER_RANK_ARGS = ("device", "show_progress", "node_rank", "skip_tokenizer_init", "trace_dispatch", "master_port",
+                  "data_parallel_rank")
 
 
 @dataclass
@@ -164,11 +168,13 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
 
 
 def rank_backend(a: EngineArgs, local_rank: int):
-    """The backend on this rank's device: ``<type>:<local_rank>`` on an accelerator without --device."""
+    """The backend on this rank's device: ``<type>:<index>`` on an accelerator without --device,
+    the index counting this replica's ranks after the earlier data-parallel replicas'."""
     backend = get_backend(a.backend, device=a.device)
     dev = str(backend.device)
-    if a.device is None and local_rank and dev in ("cuda", "npu"):
-        backend = get_backend(a.backend, device=f"{dev}:{local_rank}")
+    index = a.data_parallel_rank * a.tensor_parallel_size * a.pipeline_parallel_size // max(a.nnodes, 1) + local_rank
+    if a.device is None and index and dev in ("cuda", "npu"):
+        backend = get_backend(a.backend, device=f"{dev}:{index}")
     return backend
 
 

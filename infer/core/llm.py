@@ -15,6 +15,9 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str = "smollm2", backend: str = "auto", **kwargs: Any):
+        if kwargs.get("data_parallel_size", 1) > 1:
+            raise ValueError("data_parallel_size > 1 runs replicas behind `infer serve --data-parallel-size N`; "
+                             "LLM runs one engine (use tensor_parallel_size / pipeline_parallel_size to split it)")
         self.engine = LLMEngine(EngineArgs(model=model, backend=backend, **kwargs))
         self._ids = itertools.count()
 

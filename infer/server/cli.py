@@ -48,21 +48,28 @@ def _names(args: argparse.Namespace) -> list[tuple[str, str]]:
 def build(args: argparse.Namespace):
     """The app and its engine threads, from parsed flags."""
     from ..core.async_engine import AsyncLLM
+    from ..core.data_parallel import DataParallelLLM
     from ..core.engine import LLMEngine
     from .app import create_app
     from .metrics import Metrics
     from .models import ModelRegistry, ServedModel
 
-    metrics = Metrics()
-    served = []
+    dp = args.data_parallel_size
+    if dp > 1 and args.nnodes > 1:
+        raise ValueError("--data-parallel-size with --nnodes > 1 is not supported yet: run the replicas on one node")
+    metrics = Metrics(engine_label=dp > 1)
+    served, replicas = [], []
     try:
         for model, name in _names(args):
-            engine = LLMEngine(engine_args(args, model=model, show_progress=False))
-            served.append(ServedModel(name, AsyncLLM(engine, [metrics.logger(name, engine.expert_load)])))
+            for i in range(dp):  # each replica its own engine (and its own ranks, on its own devices)
+                engine = LLMEngine(engine_args(args, model=model, show_progress=False, data_parallel_rank=i))
+                replicas.append(AsyncLLM(engine, [metrics.logger(name, engine.expert_load, engine=i)]))
+            llm = replicas[-1] if dp == 1 else DataParallelLLM(replicas[-dp:])
+            served.append(ServedModel(name, llm))
         registry = ModelRegistry(served)
     except BaseException:
-        for m in served:
-            m.llm.shutdown()
+        for r in replicas:
+            r.shutdown()
         raise
     keys = args.api_key or ([os.environ["INFER_API_KEY"]] if os.environ.get("INFER_API_KEY") else None)
     return create_app(registry, metrics, keys, args.max_request_body_bytes)

@@ -65,49 +65,55 @@ HISTOGRAMS = (
 class Metrics:
     """The families of one server process; `logger(model)` feeds one model's series."""
 
-    def __init__(self):
+    def __init__(self, engine_label: bool = False):
+        """`engine_label`: every series also carries ``engine`` (the data-parallel
+        replica, as vLLM labels them), for a server that runs replicas."""
         self.registry = CollectorRegistry()
         reg = self.registry
-        self._gauges = [(f, Gauge(PREFIX + f.name, f.doc, ["model_name"], registry=reg)) for f in GAUGES]
-        self._totals = [(f, Counter(PREFIX + f.name, f.doc, ["model_name"], registry=reg)) for f in TOTALS]
-        self._counters = [(f, Counter(PREFIX + f.name, f.doc, ["model_name"], registry=reg)) for f in COUNTERS]
-        self._histograms = [(f, Histogram(PREFIX + f.name, f.doc, ["model_name"], buckets=b, registry=reg))
+        self.engine_label = engine_label
+        key = ["model_name"] + (["engine"] if engine_label else [])
+        self._gauges = [(f, Gauge(PREFIX + f.name, f.doc, key, registry=reg)) for f in GAUGES]
+        self._totals = [(f, Counter(PREFIX + f.name, f.doc, key, registry=reg)) for f in TOTALS]
+        self._counters = [(f, Counter(PREFIX + f.name, f.doc, key, registry=reg)) for f in COUNTERS]
+        self._histograms = [(f, Histogram(PREFIX + f.name, f.doc, key, buckets=b, registry=reg))
                             for f, b in HISTOGRAMS]
         self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+                                key + ["finished_reason"], registry=self.registry)
         # MoE models only: two labels (layer, expert), so outside the one-label tables above.
         self._expert_tokens = Counter(PREFIX + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
-                                      ["model_name", "layer", "expert"], registry=reg)
+                                      key + ["layer", "expert"], registry=reg)
         self._expert_imbalance = Gauge(PREFIX + "moe_expert_imbalance",
                                        "Max/mean of a MoE layer's accumulated tokens per expert (1 = balanced).",
-                                       ["model_name", "layer"], registry=reg)
+                                       key + ["layer"], registry=reg)
 
-    def logger(self, model_name: str, expert_load=None) -> Callable[[SchedulerStats, IterationStats | None], None]:
+    def logger(self, model_name: str, expert_load=None,
+               engine: int = 0) -> Callable[[SchedulerStats, IterationStats | None], None]:
         """A stat logger for AsyncLLM: runs on that model's engine thread.
         `expert_load`: the engine's `ExpertLoad` (MoE models), read after each step."""
+        key = (model_name, str(engine)) if self.engine_label else (model_name,)
         last: dict[str, float] = {}
         seen_experts: list = [None]  # the previous snapshot's counts
         for _, m in self._gauges + self._totals + self._counters + self._histograms:
-            m.labels(model_name)  # so every series exists (at 0) before the first request
+            m.labels(*key)  # so every series exists (at 0) before the first request
 
         def record(stats: SchedulerStats, it: IterationStats | None) -> None:
             for f, g in self._gauges:
-                g.labels(model_name).set(f.read(stats))
+                g.labels(*key).set(f.read(stats))
             for f, c in self._totals:
                 v, prev = f.read(stats), last.get(f.name, 0)
                 if v > prev:
-                    c.labels(model_name).inc(v - prev)
+                    c.labels(*key).inc(v - prev)
                 last[f.name] = v
             if it is None:
                 return
             for f, c in self._counters:
-                c.labels(model_name).inc(f.read(it))
+                c.labels(*key).inc(f.read(it))
             for f, h in self._histograms:
-                series = h.labels(model_name)
+                series = h.labels(*key)
                 for v in f.read(it):
                     series.observe(v)
             for fin in it.finished:
-                self._success.labels(model_name, fin.finish_reason).inc()
+                self._success.labels(*key, fin.finish_reason).inc()
             if expert_load is not None:
                 record_experts(expert_load.snapshot())
 
@@ -117,10 +123,10 @@ class Metrics:
                 prev = counts * 0
             for row, layer in enumerate(snap.layers):
                 for expert in (counts[row] - prev[row]).nonzero()[0]:
-                    self._expert_tokens.labels(model_name, str(layer), str(expert)).inc(int(counts[row, expert] - prev[row, expert]))
+                    self._expert_tokens.labels(*key, str(layer), str(expert)).inc(int(counts[row, expert] - prev[row, expert]))
             for layer, imb in zip(snap.layers, snap.imbalance):
                 if imb == imb:  # nan before the layer saw a token
-                    self._expert_imbalance.labels(model_name, str(layer)).set(float(imb))
+                    self._expert_imbalance.labels(*key, str(layer)).set(float(imb))
             seen_experts[0] = counts.copy()
 
         return record
