@@ -41,6 +41,8 @@ import numpy as np
 from ..primitives.types import AttentionMetadata
 
 EXECUTORS = ("mp", "external_launcher", "ray")
+# Point-to-point tags between pipeline stages: messages, activations, logits.
+TAG_MESSAGE, TAG_CARRY, TAG_LOGITS = 1, 2, 3
 DEFAULT_TIMEOUT_S = 120.0
 log = logging.getLogger("infer")
 
@@ -106,10 +108,12 @@ class DistributedState:
     rank: int
     local_rank: int
     tp_group: Any = None
-    control_group: Any = None  # gloo: where rank 0's step messages travel
+    control_group: Any = None  # gloo, every rank: the start-up agreement check
+    stage_control: Any = None  # gloo, this pipeline stage's ranks: where the stage's first rank hands out messages
     workers: list[subprocess.Popen] = field(default_factory=list)  # mp, rank 0 of a node: the ranks it started
     failed: str | None = None  # set by the monitor when a worker dies
     _closed: bool = False
+    _sends: list = field(default_factory=list)  # (work, buffers) of point-to-point sends not yet known complete
 
     @property
     def world_size(self) -> int:
@@ -142,7 +146,7 @@ class DistributedState:
 
         dst = self.rank + self.config.tensor_parallel_size
         for name in sorted(carry):
-            dist.send(_as_torch(carry[name]).contiguous(), dst)
+            self._isend(_as_torch(carry[name]).contiguous(), dst, TAG_CARRY)
 
     def recv_carry(self, backend, names: tuple[str, ...], shape: tuple[int, ...], dtype: str) -> dict[str, Any]:
         import torch.distributed as dist
@@ -150,16 +154,17 @@ class DistributedState:
         src, out = self.rank - self.config.tensor_parallel_size, {}
         for name in sorted(names):
             buf = backend.asarray(np.zeros(shape, np.float32), dtype)
-            dist.recv(_as_torch(buf), src)
+            dist.recv(_as_torch(buf), src, tag=TAG_CARRY)
             out[name] = buf
         return out
 
     def share_logits(self, backend, logits, shape: tuple[int, ...]):
-        """The last stage's logits on the rank(s) that sample: rank 0 (mp; sent by
-        the last stage's first rank), or every rank (torchrun: each samples)."""
+        """The last stage's logits on the rank(s) that sample: every rank under
+        torchrun (each samples); under mp the last stage's first rank sends them
+        to rank 0 without waiting, and rank 0 takes them with `recv_logits`."""
         import torch.distributed as dist
 
-        last = (self.config.pipeline_parallel_size - 1) * self.config.tensor_parallel_size
+        last = self.last_stage_rank
         if self.config.executor == "external_launcher":
             if self.rank == last:
                 dist.broadcast(_as_torch(logits).contiguous(), last)
@@ -168,13 +173,21 @@ class DistributedState:
             dist.broadcast(_as_torch(buf), last)
             return buf
         if self.rank == last:
-            dist.send(_as_torch(logits).contiguous(), 0)
+            self._isend(_as_torch(logits).contiguous(), 0, TAG_LOGITS)
             return logits
-        if self.rank == 0:
-            buf = backend.asarray(np.zeros(shape, np.float32))
-            dist.recv(_as_torch(buf), last)
-            return buf
         return None
+
+    @property
+    def last_stage_rank(self) -> int:
+        return (self.config.pipeline_parallel_size - 1) * self.config.tensor_parallel_size
+
+    def recv_logits(self, backend, shape: tuple[int, ...]):
+        """Rank 0 (mp): the logits of its oldest step in flight, from the last stage."""
+        import torch.distributed as dist
+
+        buf = backend.asarray(np.zeros(shape, np.float32))
+        dist.recv(_as_torch(buf), self.last_stage_rank, tag=TAG_LOGITS)
+        return buf
 
     @property
     def is_driver(self) -> bool:
@@ -183,12 +196,56 @@ class DistributedState:
 
     # -- rank 0 -> workers -------------------------------------------------------
     def broadcast(self, message: Any) -> Any:
-        """Rank 0's `message` on every rank (mp executor)."""
+        """Rank 0's `message` on every rank (mp executor); a worker passes None and gets it.
+
+        It reaches the first pipeline stage's ranks by a broadcast among them; each
+        of those hands it on to the same tensor-parallel rank of the next stage, and
+        so on, so a stage gets a step's message when it has finished the step before
+        (a point-to-point send that rank 0 does not wait for: the stages overlap)."""
         import torch.distributed as dist
 
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.control_group)
-        return box[0]
+        first = self.pp_rank * self.config.tensor_parallel_size
+        if self.is_first_stage:
+            box = [message]
+            dist.broadcast_object_list(box, src=first, group=self.stage_control)
+            message = box[0]
+        else:
+            message = self._recv_object(self.rank - self.config.tensor_parallel_size, TAG_MESSAGE)
+        if not self.is_last_stage:
+            self._isend_object(message, self.rank + self.config.tensor_parallel_size, TAG_MESSAGE)
+        return message
+
+    def _isend(self, tensor, dst: int, tag: int) -> None:
+        import torch.distributed as dist
+
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]
+        self._sends.append((dist.isend(tensor, dst, tag=tag), tensor))
+
+    def _isend_object(self, obj: Any, dst: int, tag: int) -> None:
+        import pickle
+
+        import torch
+
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self._isend(torch.tensor([data.numel()], dtype=torch.int64), dst, tag)
+        self._isend(data, dst, tag)
+
+    def _recv_object(self, src: int, tag: int) -> Any:
+        import pickle
+
+        import torch
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src, tag=tag)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src, tag=tag)
+        return pickle.loads(data.numpy().tobytes())
+
+    def wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
 
     def lost(self, exc: BaseException, wait_s: float = 5.0) -> RuntimeError:
         """The error to raise when a collective failed: it names the worker that
@@ -324,13 +381,14 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
         raise ValueError(f"distributed_executor_backend={executor!r} is not supported yet (supported: mp, "
                          "external_launcher)")
     # Every rank creates every group, in the same order (torch.distributed's rule).
-    tp = config.tensor_parallel_size
+    tp, staged = config.tensor_parallel_size, config.pipeline_parallel_size > 1
+    state.control_group = dist.group.WORLD if dist_backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     for stage in range(config.pipeline_parallel_size):
         ranks = list(range(stage * tp, (stage + 1) * tp))
-        group = dist.new_group(ranks, timeout=timeout) if config.pipeline_parallel_size > 1 else dist.group.WORLD
+        group = dist.new_group(ranks, timeout=timeout) if staged else dist.group.WORLD
+        control = dist.new_group(ranks, timeout=timeout, backend="gloo") if staged else state.control_group
         if rank in ranks:
-            state.tp_group = group
-    state.control_group = dist.group.WORLD if dist_backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+            state.tp_group, state.stage_control = group, control
     return state
 
 

@@ -167,6 +167,16 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
     return dataclasses.replace(out, logits=logits, carry=None)
 
 
+class _Launched:
+    """A step whose forward has been started: rank 0 of a pipeline has run its stage
+    and will take the logits from the last stage when the step is completed."""
+
+    __slots__ = ("out", "mi", "forward", "logits_shape")
+
+    def __init__(self, out, mi, forward, logits_shape=None):
+        self.out, self.mi, self.forward, self.logits_shape = out, mi, forward, logits_shape
+
+
 def rank_backend(a: EngineArgs, local_rank: int):
     """The backend on this rank's device: ``<type>:<index>`` on an accelerator without --device,
     the index counting this replica's ranks after the earlier data-parallel replicas'."""
@@ -235,6 +245,7 @@ class LLMEngine:
         self.vocab_size = graph.config.vocab_size
         self._rng = np.random.default_rng(a.seed)
         self._states: dict[str, RequestState] = {}
+        self._in_flight: list[_Launched] = []  # pipeline: steps started, logits not yet taken
         self._completions: dict[SeqId, CompletionState] = {}
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self._decode_token = (lambda t: decode([t])) if decode is not None else (lambda t: None)
@@ -261,19 +272,32 @@ class LLMEngine:
         self.runner.release_kv_caches()
 
     def _execute(self, step: StepInput):
+        """One step's forward on every rank, to the end: the logits are on this rank."""
         self._to_workers(("step", step))
         if self.dist is None:
             return execute_step(self.runner, step)
         try:
-            return execute_step(self.runner, step, self.dist)
+            out = execute_step(self.runner, step, self.dist)
+            if out.logits is None:  # rank 0 of an mp pipeline: the last stage sends them
+                out = dataclasses.replace(out, logits=self.dist.recv_logits(
+                    self.backend, (len(step.sample_rows), self.runner.config.vocab_size)))
+            return out
         except RuntimeError as exc:  # a collective whose peer died or timed out
             raise self.dist.lost(exc) from exc
 
     def shutdown(self) -> None:
         """Stop the worker ranks and leave the process group (nothing to do in one process)."""
         d, self.dist = getattr(self, "dist", None), None
-        if d is not None:
-            d.close()
+        if d is None:
+            return
+        for launched in getattr(self, "_in_flight", ()):  # take what the last stage still sends
+            if d.failed is None and launched.logits_shape is not None:
+                try:
+                    d.recv_logits(self.backend, launched.logits_shape)
+                except Exception:  # noqa: BLE001 (a dead stage: nothing will come)
+                    break
+        self._in_flight = []
+        d.close()
 
     def __del__(self):
         try:
@@ -430,12 +454,32 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; return outputs of requests that progressed."""
-        out = self.scheduler.schedule()
-        touched = {rid.request_id for rid in out.finished_request_ids}
-        if not out.is_empty:
-            self._process(*self._run(out))
-            touched |= {s.request_id.request_id for s in out.scheduled}
+        """Schedule, run the model once, sample; return outputs of requests that progressed.
+
+        With pipeline stages (mp), up to `pipeline_parallel_size` steps are in
+        flight: each call starts new steps on requests not already in one while
+        there is room, then completes the oldest, so every stage has work."""
+        touched: set[str] = set()
+        if self._pipelined:
+            depth = self.parallel.pipeline_parallel_size
+            while len(self._in_flight) < depth:
+                # A share of the requests per step, so the next stage has the other shares to work on.
+                share = -(-len(self.scheduler.requests) // depth)
+                out = self.scheduler.schedule(max_num_seqs=share)
+                touched |= {rid.request_id for rid in out.finished_request_ids}
+                if out.is_empty:
+                    break
+                self._in_flight.append(self._launch(out))
+            if self._in_flight:
+                launched = self._in_flight.pop(0)
+                self._process(*self._complete(launched))
+                touched |= {s.request_id.request_id for s in launched.out.scheduled}
+        else:
+            out = self.scheduler.schedule()
+            touched = {rid.request_id for rid in out.finished_request_ids}
+            if not out.is_empty:
+                self._process(*self._complete(self._launch(out)))
+                touched |= {s.request_id.request_id for s in out.scheduled}
         results = []
         for rid in touched:
             state = self._states.get(rid)
@@ -448,8 +492,14 @@ class LLMEngine:
                     self._completions.pop(c.request.request_id, None)
         return results
 
-    def _run(self, out: SchedulerOutput) -> tuple[StepOutput, StepResult]:
-        """The forward pass and sampling of one scheduled step, handed to the scheduler."""
+    @property
+    def _pipelined(self) -> bool:
+        d = self.dist
+        return d is not None and d.is_driver and self.parallel.pipeline_parallel_size > 1
+
+    def _launch(self, out: SchedulerOutput) -> _Launched:
+        """Start one scheduled step's forward (and finish it, unless this rank is the
+        first stage of a pipeline, whose logits come later from the last stage)."""
         be = self.backend
         mi = out.model_input()
         graphs, meta = self.decode_graphs, mi.attn_metadata
@@ -460,17 +510,35 @@ class LLMEngine:
                 for cache in self.runner.kv_caches:
                     be.copy_blocks(cache, src, dst)
             forward = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's logits
-            logits = forward.logits
             if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
-                logits = logits[be.asarray(mi.logits_indices)]
-        else:
-            forward = self._execute(StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies))
-            logits = forward.logits
+                forward = dataclasses.replace(forward, logits=forward.logits[be.asarray(mi.logits_indices)])
+            return _Launched(out, mi, forward)
+        step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies)
+        if not self._pipelined:
+            return _Launched(out, mi, self._execute(step))
+        self._to_workers(("step", step))
+        try:
+            forward = execute_step(self.runner, step, self.dist)
+        except RuntimeError as exc:
+            raise self.dist.lost(exc) from exc
+        return _Launched(out, mi, forward, (len(mi.logits_indices), self.vocab_size))
+
+    def _complete(self, launched: _Launched) -> tuple[StepOutput, StepResult]:
+        """Sampling of a launched step, handed to the scheduler."""
+        be, out, mi, forward = self.backend, launched.out, launched.mi, launched.forward
+        logits = forward.logits
+        if launched.logits_shape is not None:
+            try:
+                logits = self.dist.recv_logits(be, launched.logits_shape)
+            except RuntimeError as exc:
+                raise self.dist.lost(exc) from exc
         if self.expert_load is not None:
             self.expert_load.record(forward.expert_counts)
         rows, comps = [], []
         for row, rid in enumerate(mi.sample_request_ids):
-            comp = self._completions[rid]
+            comp = self._completions.get(rid)
+            if comp is None or comp.request.status.is_finished:
+                continue  # aborted while its step was in flight
             rows.append(row)
             comps.append(comp)
             state = self._states[rid.request_id]

@@ -90,7 +90,11 @@ class Scheduler:
         self._add_order: dict[RequestId, int] = {}
         self._counter = itertools.count()
         self._finished_ids: list[RequestId] = []
-        self._last_output: SchedulerOutput | None = None
+        # Outputs scheduled and not yet updated, oldest first. Usually one; a
+        # pipeline keeps several in flight, and a request in one of them (busy)
+        # is neither scheduled again nor preempted until its output comes back.
+        self._pending: list[SchedulerOutput] = []
+        self._busy: set[RequestId] = set()
         self._step_forks: list[ScheduledRequest] = []
         self.num_preemptions = 0
 
@@ -137,7 +141,7 @@ class Scheduler:
             return child
         self.block_manager.fork(parent_id, child_id)
         self.running.append(child)
-        for s in self._last_output.scheduled if self._last_output else ():
+        for s in self._pending[0].scheduled if self._pending else ():
             if s.request is parent:
                 mirror = ScheduledRequest(child_id, s.start, s.num_tokens, s.token_ids, s.block_ids, s.do_sample, child)
                 self._step_forks.append(mirror)
@@ -176,31 +180,39 @@ class Scheduler:
         )
 
     # -- the step ------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. `max_num_seqs` caps this step's requests below the
+        configured limit (a pipeline splits the requests into a step per stage)."""
         cfg, bm = self.config, self.block_manager
         budget = cfg.max_num_batched_tokens
+        cap = cfg.max_num_seqs if max_num_seqs is None else max(1, min(cfg.max_num_seqs, max_num_seqs))
         num_new: dict[str, int] = {}  # request id -> tokens this step, in batch order
         preempted: list[str] = []
 
+        blocked = False
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted as a victim earlier in this loop
-            if budget == 0 or len(num_new) == cfg.max_num_seqs:
+            if req.status != RequestStatus.RUNNING or req.request_id in self._busy:
+                continue  # preempted as a victim earlier in this loop, or its last step is still in flight
+            if budget == 0 or len(num_new) == cap:
                 break
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
             while not bm.allocate_slots(req, n):
                 victim = self._preemption_victim()
+                if victim is None:  # every other request is in flight: wait for one to come back
+                    blocked = True
+                    break
                 budget += num_new.pop(victim.request_id, 0)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if blocked or req.status != RequestStatus.RUNNING:
                 break  # it preempted itself: the pool is exhausted
             num_new[req.request_id] = n
             budget -= n
 
-        while self.waiting and not preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (self.waiting and not preempted and not blocked and budget > 0 and len(self.running) < cfg.max_num_seqs
+               and len(num_new) < cap):
             req = self.waiting[0][-1]
             hit_block_ids, num_hit = bm.get_computed_blocks(req)
             n = self._num_new_tokens(req, num_hit, budget)
@@ -216,15 +228,27 @@ class Scheduler:
 
         scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in num_new.items()]
         finished, self._finished_ids = self._finished_ids, []
-        self._last_output = SchedulerOutput(scheduled, bm.pop_block_copies(), preempted, finished, self.block_size)
-        self._step_forks = []
-        return self._last_output
+        output = SchedulerOutput(scheduled, bm.pop_block_copies(), preempted, finished, self.block_size)
+        if not self._pending:
+            self._step_forks = []
+        if scheduled:  # an empty step has nothing to come back
+            self._pending.append(output)
+            self._busy.update(num_new)
+        return output
+
+    @property
+    def num_in_flight(self) -> int:
+        """Scheduled outputs not yet given back to `update_from_output`."""
+        return len(self._pending)
 
     def update_from_output(self, output: SchedulerOutput, step: StepOutput) -> StepResult:
         """Record a computed step: advance requests, append their sampled tokens,
-        finish the ones that stop, cache newly full blocks."""
-        if output is not self._last_output:
-            raise ValueError("update_from_output takes the output of the latest schedule(), once")
+        finish the ones that stop, cache newly full blocks. With several outputs in
+        flight, they come back in the order they were scheduled."""
+        if not output.scheduled and all(output is not p for p in self._pending):
+            return StepResult([], [])
+        if not self._pending or output is not self._pending[0]:
+            raise ValueError("update_from_output takes the oldest output schedule() gave and not yet updated, once")
         entries = output.scheduled + self._step_forks
         rows = {rid: i for i, rid in enumerate(step.request_ids)}
         # Requests aborted since schedule() are skipped and need no token.
@@ -232,7 +256,9 @@ class Scheduler:
         missing = [s.request_id for s in live if s.do_sample and s.request_id not in rows]
         if missing:
             raise KeyError(f"no sampled token for requests {missing}, which this step samples")
-        self._last_output, self._step_forks = None, []
+        self._pending.pop(0)
+        self._busy.difference_update(s.request_id for s in output.scheduled)
+        self._step_forks = []
         progressed, finished = [], []
         for s in live:
             req = s.request
@@ -269,10 +295,14 @@ class Scheduler:
         entry = (self._rank(req), req.arrival_time, self._add_order[req.request_id], req)
         heapq.heappush(self.waiting, entry)
 
-    def _preemption_victim(self) -> Request:
+    def _preemption_victim(self) -> Request | None:
+        """The request to preempt (never one in flight), or None when every candidate is."""
+        candidates = [r for r in self.running if r.request_id not in self._busy]
+        if not candidates:
+            return None
         if self.config.policy == "fcfs":
-            return self.running[-1]  # the newest admitted
-        return max(self.running, key=lambda r: (self._rank(r), r.arrival_time, self._add_order[r.request_id]))
+            return candidates[-1]  # the newest admitted
+        return max(candidates, key=lambda r: (self._rank(r), r.arrival_time, self._add_order[r.request_id]))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
