@@ -1,7 +1,7 @@
-"""Tensor parallelism on this machine: SmolLM2 at TP = 1, 2, 3 (mp executor).
+"""Tensor and pipeline parallelism on this machine: SmolLM2 at TP = 1, 2, 3 and PP = 2 (mp executor).
 
     python benchmarks/parallel.py --json parallel.json --png parallel.png
-    python benchmarks/parallel.py --tp 1 3 --decode-tokens 64
+    python benchmarks/parallel.py --configs 1x1 3x1 --decode-tokens 64     # TPxPP
 
 Each row runs in a fresh process, as a user runs it (``LLM(model,
 tensor_parallel_size=N)``, default flags), and reports:
@@ -13,7 +13,8 @@ tensor_parallel_size=N)``, default flags), and reports:
   (every rank holds the same share, one padding row of the vocabulary aside);
 - collectives' share of rank 0's step time: the time its all_reduce and
   all_gather calls took (a timed dispatch trace), over the time of its steps.
-  That includes waiting for the slowest rank, which is what a rank pays.
+  That includes waiting for the slowest rank, which is what a rank pays
+  (pipeline sends are not collectives: 0 for a PP-only row).
 
 On a machine with fewer cores than ranks x threads TP cannot be faster; the
 point is the overhead, reported honestly. The H200 x 8 case is modelled in
@@ -47,10 +48,10 @@ def child(spec: dict) -> dict:
     from infer import LLM, SamplingParams
     from infer.bench.runners import held_bytes
 
-    tp = spec["tp"]
+    tp, pp = spec["tp"], spec["pp"]
     start = time.perf_counter()
-    llm = LLM(spec["model"], tensor_parallel_size=tp, trace_dispatch=True, max_model_len=spec["max_model_len"],
-              show_progress=False)
+    llm = LLM(spec["model"], tensor_parallel_size=tp, pipeline_parallel_size=pp, trace_dispatch=True,
+              max_model_len=spec["max_model_len"], show_progress=False)
     load_s = time.perf_counter() - start
     engine, trace = llm.engine, llm.engine.dispatch_trace
     trace.timed = True
@@ -83,7 +84,8 @@ def child(spec: dict) -> dict:
     rss = {"rank0": _status("self")}
     for i, p in enumerate(engine.dist.workers if engine.dist else []):
         rss[f"rank{i + 1}"] = _status(p.pid)
-    result = dict(tp=tp, load_s=load_s, decode_tok_s=decode_tok_s, decode_collective_share=decode_share,
+    result = dict(tp=tp, pp=pp, label=f"TP={tp}" + (f" PP={pp}" if pp > 1 else ""), load_s=load_s,
+                  decode_tok_s=decode_tok_s, decode_collective_share=decode_share,
                   workload_tok_s=spec["requests"] * spec["output_len"] / wall, workload_s=wall,
                   workload_collective_share=collectives / sum(steps), weight_bytes_rank0=held_bytes(engine.runner),
                   rss=rss, calls={f"{call}": n for (node, call, impl), n in trace.counts.items()
@@ -95,7 +97,7 @@ def child(spec: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--configs", nargs="+", default=["1x1", "2x1", "3x1", "1x2"], help="TPxPP per row")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
@@ -109,18 +111,19 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
     rows = []
-    for tp in args.tp:
-        spec = dict(model=args.model, tp=tp, decode_tokens=args.decode_tokens, prompt_len=args.prompt_len,
+    for config in args.configs:
+        tp, pp = (int(x) for x in config.split("x"))
+        spec = dict(model=args.model, tp=tp, pp=pp, decode_tokens=args.decode_tokens, prompt_len=args.prompt_len,
                     output_len=args.output_len, requests=args.requests, max_model_len=args.max_model_len)
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not lines:
-            print(f"TP={tp} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            print(f"{config} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return 1
         row = json.loads(lines[-1][len("RESULT "):])
         rows.append(row)
         ranks = ", ".join(f"{k} {v['VmRSS'] / 2**20:.0f} MiB (peak {v['VmHWM'] / 2**20:.0f})" for k, v in row["rss"].items())
-        print(f"TP={tp}: decode {row['decode_tok_s']:.1f} tok/s (collectives {row['decode_collective_share']:.0%} of "
+        print(f"{row['label']}: decode {row['decode_tok_s']:.1f} tok/s (collectives {row['decode_collective_share']:.0%} of "
               f"step time), workload {row['workload_tok_s']:.1f} tok/s (collectives "
               f"{row['workload_collective_share']:.0%}), rank 0 weights {row['weight_bytes_rank0'] / 2**20:.1f} MiB; "
               f"RSS {ranks}", flush=True)
@@ -146,7 +149,7 @@ def plot(rows: list[dict], path: str, model: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    labels = [f"TP={r['tp']}" for r in rows]
+    labels = [r["label"] for r in rows]
     axes[0].bar(labels, [r["decode_tok_s"] for r in rows], label="decode")
     axes[0].bar(labels, [r["workload_tok_s"] for r in rows], alpha=0.5, label="workload")
     axes[0].set_ylabel("tokens / s")
@@ -157,7 +160,7 @@ def plot(rows: list[dict], path: str, model: str) -> None:
     axes[2].bar(labels, [100 * r["workload_collective_share"] for r in rows], alpha=0.5, label="workload")
     axes[2].set_ylabel("collectives, % of rank 0 step time")
     axes[2].legend()
-    fig.suptitle(f"{model}: tensor parallel on {os.cpu_count()} CPU cores (gloo)")
+    fig.suptitle(f"{model}: tensor and pipeline parallel on {os.cpu_count()} CPU cores (gloo)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
