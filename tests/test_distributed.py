@@ -412,3 +412,30 @@ def test_data_parallel_replicas_behind_one_server(tiny_dirs):
             assert server.wait(60) == 0
         finally:
             server.kill()
+
+
+@pytest.mark.slow
+def test_ray_executor_on_a_local_cluster(tiny_dirs):
+    """Worker ranks as Ray actors on a cluster the test starts (`ray start --head` on
+    127.0.0.1): the tokens one process generates."""
+    pytest.importorskip("ray")
+    from infer.core.distributed import free_port
+
+    ray_cli = [str(Path(sys.executable).with_name("ray"))]
+    port = free_port()
+    start = subprocess.run(ray_cli + ["start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                                      "--num-cpus", "2", "--disable-usage-stats", "--include-dashboard=false"],
+                           capture_output=True, text=True, timeout=120, env=_env())
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+        [one] = generate(tiny_dirs["llama"], engine)
+        os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+        try:
+            [ray_run] = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2,
+                                                               "distributed_executor_backend": "ray"})
+        finally:
+            del os.environ["RAY_ADDRESS"]
+        assert_same_generation(one, ray_run)
+    finally:
+        subprocess.run(ray_cli + ["stop", "--force"], capture_output=True, timeout=120)

@@ -191,8 +191,8 @@ class DistributedState:
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0 of an mp job: it schedules, and broadcasts each step."""
-        return self.rank == 0 and self.config.executor == "mp"
+        """Rank 0 of an mp or Ray job: it schedules, and hands each step to the others."""
+        return self.rank == 0 and self.config.executor in ("mp", "ray")
 
     # -- rank 0 -> workers -------------------------------------------------------
     def broadcast(self, message: Any) -> Any:
@@ -295,7 +295,8 @@ class DistributedState:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+                if isinstance(p, subprocess.Popen):
+                    p.wait()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -357,17 +358,24 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
         rank = int(os.environ["RANK"])
         state = DistributedState(config, rank, int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(dist_backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
-    elif executor == "mp":
+    elif executor in ("mp", "ray"):
+        if executor == "ray" and rank is None:  # Ray places every rank: one "node" from here, met at this address
+            from . import ray_executor
+
+            config = dataclasses.replace(config, master_addr=ray_executor.node_ip(), nnodes=1, node_rank=0)
         port = config.master_port or free_port()
         config = dataclasses.replace(config, master_port=port)
         first = config.node_rank * config.ranks_per_node
         if rank is None:  # a node's first process: start the node's other ranks
             rank = first
             state = DistributedState(config, rank, 0)
-            state.workers = [_spawn_worker(config, r, r - first, engine_args)
-                             for r in range(first + 1, first + config.ranks_per_node)]
+            others = list(range(first + 1, first + config.ranks_per_node))
+            if executor == "mp":
+                state.workers = [_spawn_worker(config, r, r - first, engine_args) for r in others]
+            else:
+                state.workers = ray_executor.spawn(config, others, engine_args, use_gpus=dist_backend != "gloo")
         else:
-            state = DistributedState(config, rank, rank - first)
+            state = DistributedState(config, rank, 0 if executor == "ray" else rank - first)
         try:
             dist.init_process_group(dist_backend, init_method=f"tcp://{config.master_addr}:{port}", rank=rank,
                                     world_size=config.world_size, timeout=timeout)
@@ -378,8 +386,7 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
         if state.workers:
             _monitor(state)
     else:
-        raise ValueError(f"distributed_executor_backend={executor!r} is not supported yet (supported: mp, "
-                         "external_launcher)")
+        raise ValueError(f"unknown distributed_executor_backend {executor!r}")
     # Every rank creates every group, in the same order (torch.distributed's rule).
     tp, staged = config.tensor_parallel_size, config.pipeline_parallel_size > 1
     state.control_group = dist.group.WORLD if dist_backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
