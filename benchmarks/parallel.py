@@ -150,16 +150,20 @@ def plot(rows: list[dict], path: str, model: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     labels = [r["label"] for r in rows]
-    axes[0].bar(labels, [r["decode_tok_s"] for r in rows], label="decode")
-    axes[0].bar(labels, [r["workload_tok_s"] for r in rows], alpha=0.5, label="workload")
-    axes[0].set_ylabel("tokens / s")
-    axes[0].legend()
-    axes[1].bar(labels, [r["weight_bytes_rank0"] / 2**20 for r in rows])
+    x = list(range(len(rows)))
+
+    def pair(ax, key_a, key_b, scale, ylabel):
+        ax.bar([i - 0.2 for i in x], [scale * r[key_a] for r in rows], 0.4, label="decode (1 request)")
+        ax.bar([i + 0.2 for i in x], [scale * r[key_b] for r in rows], 0.4, label="workload")
+        ax.set_xticks(x, labels)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+
+    pair(axes[0], "decode_tok_s", "workload_tok_s", 1, "tokens / s")
+    axes[1].bar(x, [r["weight_bytes_rank0"] / 2**20 for r in rows])
+    axes[1].set_xticks(x, labels)
     axes[1].set_ylabel("weights per rank (MiB)")
-    axes[2].bar(labels, [100 * r["decode_collective_share"] for r in rows], label="decode")
-    axes[2].bar(labels, [100 * r["workload_collective_share"] for r in rows], alpha=0.5, label="workload")
-    axes[2].set_ylabel("collectives, % of rank 0 step time")
-    axes[2].legend()
+    pair(axes[2], "decode_collective_share", "workload_collective_share", 100, "collectives, % of rank 0 step time")
     fig.suptitle(f"{model}: tensor and pipeline parallel on {os.cpu_count()} CPU cores (gloo)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -369,6 +369,11 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
         if rank is None:  # a node's first process: start the node's other ranks
             rank = first
             state = DistributedState(config, rank, 0)
+            if dist_backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+                # CPU ranks share the node's cores, as the workers are told to: no oversubscription
+                import torch
+
+                torch.set_num_threads(_threads_per_rank(config))
             others = list(range(first + 1, first + config.ranks_per_node))
             if executor == "mp":
                 state.workers = [_spawn_worker(config, r, r - first, engine_args) for r in others]
@@ -402,8 +407,12 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
 def _spawn_worker(config: ParallelConfig, rank: int, local_rank: int, engine_args: dict) -> subprocess.Popen:
     spec = {"parallel": dataclasses.asdict(config), "rank": rank, "local_rank": local_rank, "engine_args": engine_args}
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.ranks_per_node)))
+    env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(config)))
     return subprocess.Popen([sys.executable, "-m", "infer.core.worker", json.dumps(spec)], env=env)
+
+
+def _threads_per_rank(config: ParallelConfig) -> int:
+    return max(1, (os.cpu_count() or 1) // config.ranks_per_node)
 
 
 def _monitor(state: DistributedState) -> None:
