@@ -439,3 +439,31 @@ def test_ray_executor_on_a_local_cluster(tiny_dirs):
         assert_same_generation(one, ray_run)
     finally:
         subprocess.run(ray_cli + ["stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_a_hung_worker_times_the_collectives_out(tiny_dirs):
+    """A worker that stops answering (SIGSTOP) makes rank 0's next collective fail after
+    INFER_DIST_TIMEOUT_S instead of waiting forever."""
+    script = f"""
+import os, signal, sys, time
+import torch
+from infer import LLM, SamplingParams
+llm = LLM({tiny_dirs['llama']!r}, backend="torch", tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=128)
+p = SamplingParams(max_tokens=4, temperature=0)
+llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], p, use_tqdm=False)
+worker = llm.engine.dist.workers[0]
+os.kill(worker.pid, signal.SIGSTOP)
+start = time.monotonic()
+try:
+    llm.generate([{{"prompt_token_ids": [1, 2, 3, 4]}}], p, use_tqdm=False)
+except RuntimeError as exc:
+    print("FAILED", round(time.monotonic() - start, 1), exc, flush=True)
+    worker.kill()
+    sys.exit(3)
+print("NO ERROR")
+"""
+    env = _env() | {"INFER_DIST_TIMEOUT_S": "5"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("FAILED"))
+    assert 4 <= float(line.split()[1]) < 30
