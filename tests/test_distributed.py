@@ -166,6 +166,15 @@ def assert_same_generation(a: dict, b: dict, atol: float = 1e-4) -> None:
             np.testing.assert_allclose([sa[k] for k in sa], [sb[k] for k in sa], atol=atol)
 
 
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM, then a clean exit (0) within a minute; killed if not."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+
+
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     from tiny_models import random_model
@@ -324,11 +333,7 @@ def test_three_nodes_on_loopback_serve_the_openai_client():
         want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
         assert got.choices[0].text == want.outputs[0].text
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            assert head.wait(60) == 0
-        finally:
-            head.kill()
+        stop_server(head)
         for w in workers:  # the driver stopped them: a clean exit
             assert w.wait(60) == 0, w.stderr.read()[-3000:]
 
@@ -407,11 +412,7 @@ def test_data_parallel_replicas_behind_one_server(tiny_dirs):
         running = [line for line in text.splitlines() if line.startswith("infer:num_requests_running{")]
         assert len(running) == 2 and all(line.endswith(" 0.0") for line in running)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            assert server.wait(60) == 0
-        finally:
-            server.kill()
+        stop_server(server)
 
 
 @pytest.mark.slow
