@@ -468,3 +468,30 @@ print("NO ERROR")
     assert proc.returncode == 3, proc.stdout + proc.stderr[-2000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("FAILED"))
     assert 4 <= float(line.split()[1]) < 30
+
+
+def test_gguf_shards_read_only_their_blocks_and_match_the_whole_tensor():
+    """The packaged SmolLM2 GGUF (Q4_1): a rank's rows of q (llama.cpp-permuted, unpermuted
+    per whole head) and k, and its block-aligned columns of down, equal the same cut of
+    the whole tensor, dequantized and as a quantized handle."""
+    from infer.core.loader.gguf_file import GGUFCheckpoint
+    from infer.core.loader.paths import resolve_model_path
+    from infer.core.quant_params import slice_handle
+    from infer.primitives.dequant import dequantize
+
+    path, fmt = resolve_model_path("smollm2")
+    assert fmt == "gguf"
+    ckpt = GGUFCheckpoint(path)
+    cases = [("model.layers.0.self_attn.q_proj.weight", 0, 192, 384),  # heads 3-5 of 9 (64 rows each)
+             ("model.layers.0.self_attn.k_proj.weight", 0, 64, 128),  # KV head 1 of 3
+             ("model.layers.1.mlp.down_proj.weight", 1, 512, 1024),  # input columns: 16 blocks of 32
+             ("model.embed_tokens.weight", 0, 16384, 32768)]
+    for name, axis, lo, hi in cases:
+        cut = (slice(None),) * axis + (slice(lo, hi),)
+        whole = ckpt.read(name)
+        np.testing.assert_array_equal(ckpt.read_slice(name, axis, lo, hi), whole[cut])
+        handle = ckpt.read_quantized_slice(name, axis, lo, hi)
+        np.testing.assert_array_equal(dequantize(handle), dequantize(slice_handle(ckpt.read_quantized(name), axis, lo, hi)))
+        np.testing.assert_allclose(dequantize(handle), whole[cut], rtol=0, atol=1e-6)
+    # a cut through a block falls back to the whole tensor, still exact
+    np.testing.assert_array_equal(ckpt.read_slice(cases[2][0], 1, 16, 48), ckpt.read(cases[2][0])[:, 16:48])

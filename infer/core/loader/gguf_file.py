@@ -223,6 +223,65 @@ class GGUFCheckpoint:
                 w = unpermute_rows(w, self.config["num_key_value_heads"])
         return w
 
+    def _raw_slice(self, name: str, axis: int, start: int, stop: int):
+        """(raw ggml rows of [start, stop) along `axis`, their HF shape, the q/k head count
+        of those rows) without reading the rest of the tensor, or None where the tensor is
+        not a matrix or the cut splits the type's blocks."""
+        from gguf.constants import GGML_QUANT_SIZES
+
+        t = self._by_hf_name[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if len(shape) != 2:
+            return None
+        rows, cols = shape
+        data = t.data.reshape(rows, -1)
+        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        if axis == 0:
+            part, out = data[start:stop], (stop - start, cols)
+        else:
+            if start % block or stop % block:
+                return None
+            part, out = data[:, start // block * block_bytes:stop // block * block_bytes], (rows, stop - start)
+        heads = None
+        if self.arch in _PERMUTED_QK and axis == 0:
+            for key, module in (("num_attention_heads", ".self_attn.q_proj."), ("num_key_value_heads", ".self_attn.k_proj.")):
+                if module in name:
+                    head_rows = rows // self.config[key]
+                    if start % head_rows or stop % head_rows:
+                        return None  # unpermuting works on whole heads
+                    heads = (stop - start) // head_rows
+        elif self.arch in _PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            return None
+        return np.ascontiguousarray(part), out, heads
+
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """[start, stop) along `axis` of one weight, dequantized to float32; only those rows
+        (or those blocks of every row) are read and dequantized."""
+        from gguf import dequantize
+
+        raw = self._raw_slice(name, axis, start, stop)
+        if raw is None:
+            return np.ascontiguousarray(self.read(name)[(slice(None),) * axis + (slice(start, stop),)])
+        part, shape, heads = raw
+        w = np.asarray(dequantize(part, self._by_hf_name[name].tensor_type), dtype=np.float32).reshape(shape)
+        return unpermute_rows(w, heads) if heads else w
+
+    def read_quantized_slice(self, name: str, axis: int, start: int, stop: int):
+        """A quantized handle of [start, stop) along `axis` (see `read_quantized`), reading
+        only that part; None for a tensor `read_quantized` gives no handle for."""
+        from ..quant_params import slice_handle
+
+        t = self._by_hf_name[name]
+        raw = self._raw_slice(name, axis, start, stop)
+        if raw is None:
+            handle = self.read_quantized(name)
+            return None if handle is None else slice_handle(handle, axis, start, stop)
+        part, shape, heads = raw
+        handle = quant_gguf.to_handle(part, t.tensor_type.name, *shape)
+        if handle is not None and heads:
+            handle = quant_gguf.permute_rows(handle, lambda a: unpermute_rows(a, heads))
+        return handle
+
     def read_quantized(self, name: str):
         """One weight as a quantized handle (Q4_0, Q4_1, Q8_0 kept as stored,
         q/k rows unpermuted), or None for a tensor of another type: `read` it."""

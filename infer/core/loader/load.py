@@ -170,10 +170,14 @@ class LazyWeights(Mapping):
         from ..quant_params import slice_handle
         from .moe_layout import slice_of
 
-        handle = self._ckpt.read_quantized(name) if self._quantized else None
-        if handle is not None:  # read whole (as stored), keep the shard
+        if self._quantized and hasattr(self._ckpt, "read_quantized_slice"):  # GGUF: only the shard's blocks
+            handle = self._ckpt.read_quantized_slice(name, axis, start, stop)
+        else:
+            handle = self._ckpt.read_quantized(name) if self._quantized else None  # read as stored, then cut
+            handle = None if handle is None else slice_handle(handle, axis, start, stop)
+        if handle is not None:
             self._bar.update(self._ckpt.nbytes(name))
-            return slice_handle(handle, axis, start, stop)
+            return handle
         array = slice_of(self._ckpt, name, axis, start, stop)
         if np.issubdtype(array.dtype, np.floating) and array.dtype != self._dtype:
             array = array.astype(self._dtype)
