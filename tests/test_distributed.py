@@ -307,23 +307,26 @@ print("NO ERROR")
 
 
 @pytest.mark.slow
-def test_three_nodes_on_loopback_serve_the_openai_client():
-    """SmolLM2 (9 heads, 3 KV heads) at TP=3 over three 'nodes' on loopback: node 0
-    serves the API with rank 0, nodes 1 and 2 (--headless) run ranks 1 and 2; the
-    real `openai` client gets the text one process generates."""
+@pytest.mark.parametrize("tp,pp", [(1, 2), (3, 1)])
+def test_nodes_on_loopback_serve_the_openai_client(tp, pp):
+    """SmolLM2 (30 layers; 9 heads, 3 KV heads) with one rank per 'node' on loopback:
+    PP=2 (two stages of 15 layers) over two nodes, TP=3 over three. Node 0 serves
+    the API with rank 0, the others (--headless) run their ranks; the real `openai`
+    client gets the text one process generates."""
     openai = pytest.importorskip("openai")
     from infer import LLM, SamplingParams
     from infer.core.distributed import free_port
 
     prompt = "The capital of France is"
-    port, api = free_port(), free_port()
-    base = ["--model", "smollm2", "--max-model-len", "256", "--tensor-parallel-size", "3", "--nnodes", "3",
-            "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    port, api, nodes = free_port(), free_port(), tp * pp
+    base = ["--model", "smollm2", "--max-model-len", "256", "--tensor-parallel-size", str(tp),
+            "--pipeline-parallel-size", str(pp), "--nnodes", str(nodes), "--master-addr", "127.0.0.1",
+            "--master-port", str(port)]
     cli = [sys.executable, "-m", "infer", "serve"]
     head = subprocess.Popen(cli + base + ["--node-rank", "0", "--port", str(api)], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = [subprocess.Popen(cli + base + ["--node-rank", str(n), "--headless"], env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (1, 2)]
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(1, nodes)]
     try:
         line = head.stdout.readline()  # the server prints one line once it listens (or dies: EOF)
         assert "on http://" in line, head.stderr.read()[-3000:]
