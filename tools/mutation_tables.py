@@ -133,6 +133,10 @@ HAND = [
 ]
 
 # -- auto mutants that cannot be killed: (file, original line, mutated line) -> why --------------------------
+_GGUF_CHUNK = ("the chunk size trades peak memory against the number of dequantize calls: the weights read are the "
+               "same, and test_gguf_reads_hold_one_row_chunk_of_temporaries bounds the temporaries relative to it")
+_GGUF_STEP = ("rows per chunk a third more or a fifth fewer (or at least 2): the same weights, temporaries within "
+              "the bound test_gguf_reads_hold_one_row_chunk_of_temporaries sets")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("infer/core/llm.py", "use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:",
      "use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:"):
@@ -182,4 +186,37 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "block_hashes: list[bytes] = field(init=False, repr=True)"): "repr only",
     ("infer/core/async_engine.py", "self._streams.clear()", "pass"):
         "the engine thread returns right after _fail_all; nothing reads _streams again",
+    ("infer/core/xy_plan.py", "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 1)",
+     "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 0)"):
+        "max(n, 0) differs from max(n, 1) only for n == 0, where the array divided is empty: the same empty result",
+    ("infer/core/xy_plan.py", "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 1)",
+     "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 2)"):
+        "max(n, 2) differs from max(n, 1) only for n <= 1, where the only index is 0 and 0 // 1 == 0 // 2",
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 3 << 20"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 4 << 19"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 4 << 21"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 5 << 20"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(0, w.shape[1] * 4))"):
+        "a tensor has at least one column: max(0, n) == max(1, n)",
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 3))"):
+        _GGUF_STEP,
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 5))"):
+        _GGUF_STEP,
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(2, w.shape[1] * 4))"):
+        "a row is at least 4 bytes: max(2, n) == max(1, n)",
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(2, CHUNK_BYTES // max(1, w.shape[1] * 4))"):
+        _GGUF_STEP,
 }
