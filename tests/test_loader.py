@@ -311,6 +311,29 @@ def test_gguf_reads_hold_one_row_chunk_of_temporaries(tmp_path, monkeypatch):
         assert peak - w.nbytes < 16 * 4096, (name, peak - w.nbytes)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # llama: q/k rows stored permuted, the handle's unpermuted
+def test_gguf_q8_0_matrices_come_quantized_only_when_asked_and_vectors_always_as_floats(arch, tmp_path):
+    """`lazy_weights()` dequantizes; `lazy_weights(quantized=True)` keeps each Q8_0 matrix as an int8
+    handle standing for gguf-py's dequantization, while 1-D tensors (norms, biases: F32) stay arrays.
+    Q8_0 blocks lie along rows, so a row permutation commutes with quantizing."""
+    from infer.backends.cpu_ref.quant import dequantize
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    model = tiny_model(arch)
+    m = load_model(write_gguf(model, arch, tmp_path / "m.gguf", qtype=q8), load_weights=False)
+    plain, kept = m.lazy_weights(), m.lazy_weights(quantized=True)
+    for name, value in checkpoint_tensors(model).items():
+        want = gguf.quants.dequantize(gguf.quants.quantize(value, q8), q8) if value.ndim == 2 else value
+        assert isinstance(plain[name], np.ndarray), name
+        np.testing.assert_array_equal(plain[name], want, err_msg=name)
+        if value.ndim == 2:
+            assert kept[name].kind == "int8_group", name
+            np.testing.assert_array_equal(dequantize(kept[name]), want, err_msg=name)
+        else:
+            assert isinstance(kept[name], np.ndarray), name
+            np.testing.assert_array_equal(kept[name], want, err_msg=name)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_config_matches_hf_config(arch, tmp_path):
     model = tiny_model(arch)

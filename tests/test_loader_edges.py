@@ -139,3 +139,33 @@ def test_sparse_layers_are_those_transformers_builds_with_experts(arch, step, de
     want = {i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
     assert want != set(range(6)) or (step, dense) == (1, [])  # the oracle does tell the layers apart
     assert moe_spec(config.to_dict() | {"architectures": [model_cls]}, 6).sparse_layers == want
+
+
+def test_unsigned_integer_tensors_count_and_read_their_bytes(tmp_path):
+    """U16/U32/U64, which torch cannot save: written with safetensors' NumPy API."""
+    from safetensors.numpy import save_file as save_numpy
+
+    from infer.core.loader.safetensors_file import read_tensor
+
+    tensors = {"U8": np.arange(15, dtype=np.uint8), "U16": np.arange(15, dtype=np.uint16) * 4001,
+               "U32": np.arange(15, dtype=np.uint32) * 270_000_001, "U64": np.arange(15, dtype=np.uint64) * 2**60}
+    tensors = {k: v.reshape(3, 5) for k, v in tensors.items()}
+    save_numpy(tensors, str(tmp_path / "u.safetensors"))
+    entries = read_header(tmp_path / "u.safetensors")
+    assert {n: (e.dtype, e.nbytes) for n, e in entries.items()} == {n: (n, t.nbytes) for n, t in tensors.items()}
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(read_tensor(entries[name]), t, err_msg=name)
+
+
+def test_safetensors_files_without_an_index_are_read_together_and_a_tensor_in_two_is_refused(tmp_path):
+    from infer.core.loader.errors import CorruptCheckpointError
+    from infer.core.loader.safetensors_file import find_safetensors
+
+    save_file({"a": torch.zeros(2), "b": torch.ones(3)}, tmp_path / "part-1.safetensors")
+    save_file({"c": torch.full((4,), 2.0)}, tmp_path / "part-2.safetensors")
+    entries = find_safetensors(tmp_path)
+    assert {n: e.file.name for n, e in entries.items()} == {"a": "part-1.safetensors", "b": "part-1.safetensors",
+                                                           "c": "part-2.safetensors"}
+    save_file({"b": torch.ones(3)}, tmp_path / "part-3.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="'b' is in both part-1.safetensors and part-3.safetensors"):
+        find_safetensors(tmp_path)

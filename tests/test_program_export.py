@@ -155,3 +155,30 @@ def test_the_exported_model_computes_transformers_logits(kind):
     with torch.no_grad():
         want = model(torch.from_numpy(ids)[None]).logits[0].numpy()
     np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "mistral"])
+def test_each_calls_symbolic_shapes_agree_with_its_parameters_and_inputs(kind):
+    """The shapes the program text prints: a linear's output is [T, its weight's rows], a split's
+    pieces add up to its input, a reshape keeps the element count (with T = 7 tokens, S = 3 sampled)."""
+    program = lower(build_llama(make_model(kind)[1]))
+    shapes, params = {}, program.graph.params
+
+    def size(shape):
+        return int(np.prod([7 if d == "T" else 3 if d == "S" else 7 * int(d[2:]) if str(d).startswith("T*") else d
+                            for d in shape]))
+
+    for c in program.primitive_calls():
+        shapes.update(zip(c.outputs, c.shapes))
+        if c.primitive == "linear":
+            rows = shapes[c.inputs[0]][0] if c.inputs[0] in shapes else "T"  # "S" after the sampled rows
+            assert c.shapes == ((rows, params[c.params["weight"]].shape[0]),), c
+        elif c.primitive == "split":
+            assert ("T", sum(s[1] for s in c.shapes)) == shapes[c.inputs[0]] and \
+                [s[1] for s in c.shapes] == list(c.attrs["sizes"]), c
+        elif c.primitive == "reshape":
+            assert size(c.shapes[0]) == size(shapes[c.inputs[0]]), c
+
+
+def test_the_infer_domain_is_at_version_1_over_onnx_opset_21(qwen2):
+    assert {(o.domain, o.version) for o in to_onnx(qwen2).opset_import} == {("", 21), ("infer", 1)}
