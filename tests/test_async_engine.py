@@ -155,3 +155,17 @@ def test_engine_failure_fails_streams_instead_of_hanging(allm, monkeypatch):
     monkeypatch.undo()
     allm.engine.abort_request("x")  # the thread is gone; clean up so the fixture's leak check holds
     allm.engine.step()
+
+
+def test_a_program_that_never_shuts_the_engine_down_still_exits(model_dir):
+    """The engine thread is a daemon: forgetting `shutdown` must not keep the interpreter alive."""
+    import subprocess
+    import sys
+
+    code = ("from infer.core.async_engine import AsyncLLM\nfrom infer.core.engine import LLMEngine\n"
+            f"AsyncLLM(LLMEngine(model={str(model_dir)!r}, backend='cpu_ref', max_num_seqs=2))\nprint('built')\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the process did not exit: {exc.stdout}") from None
+    assert r.returncode == 0 and r.stdout.strip() == "built", r.stderr

@@ -50,3 +50,10 @@ def test_a_model_config_without_max_position_embeddings_allows_2048():
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
            "intermediate_size": 128, "vocab_size": 100}
     assert normalize_config(cfg).max_position_embeddings == 2048
+
+
+@pytest.mark.parametrize("preferred", [None, 0, -16])
+def test_without_a_set_block_size_the_backends_must_be_positive(preferred):
+    with pytest.raises(ValueError, match="preferred_block_size must be a positive integer"):
+        CacheConfig(num_blocks=8).resolve(preferred_block_size=preferred)
+    assert CacheConfig(block_size=4, num_blocks=8).resolve(preferred_block_size=preferred).block_size == 4

@@ -99,3 +99,17 @@ def test_each_token_decodes_a_short_window_not_the_whole_text(tokenizer):
 def test_stop_strings_starting_at_the_same_place_report_the_first_listed():
     assert find_stop("x本語本", 4, ("本語", "本語本")) == (1, "本語")
     assert find_stop("x本語本", 4, ("本語本", "本語")) == (1, "本語本")
+
+
+def test_a_stop_string_at_the_very_start_of_the_text_is_found():
+    assert find_stop("本語です", 4, ("本語",)) == (0, "本語")
+    assert find_stop("ab", 2, ("ab", "b")) == (0, "ab")
+    assert find_stop("ab", 1, ("ab", "b")) == (0, "ab")  # the token that completes it added only "b"
+
+
+def test_a_stop_string_that_ended_before_the_new_characters_is_not_reported_again():
+    """find_stop looks for stop strings that end within the last `new_chars` characters only."""
+    assert find_stop("ab_xyz", 3, ("ab",)) is None
+    assert find_stop("ab_xyz", 3, ("ab", "yz")) == (4, "yz")
+    assert find_stop("ab_xyz", 4, ("ab",)) is None  # "ab" ends at the 2nd character, before the last 4
+    assert find_stop("ab_xyz", 4, ("b_",)) == (1, "b_")  # "b_" ends at the 3rd: within them

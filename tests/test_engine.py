@@ -218,9 +218,16 @@ def test_different_seeds_give_different_samples(make_llm):
     assert a != b
 
 
+@pytest.mark.parametrize("prompts, shown", [(1, True), (2, True), (0, False)])
+def test_the_progress_bar_shows_for_any_prompt_that_runs(make_llm, capsys, prompts, shown):
+    make_llm().generate([tokens_prompt(PROMPTS[0])] * prompts, SamplingParams(max_tokens=2), use_tqdm=True)
+    assert ("Processed prompts" in capsys.readouterr().err) == shown
+
+
 def test_unseeded_sampling_follows_the_engine_seed(make_llm):
+    """The engine seed defaults to 0 (as in vLLM): an engine built without one samples like seed=0."""
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
-    a, b, c = make_llm(seed=5), make_llm(seed=5), make_llm(seed=6)
+    a, b, c = make_llm(), make_llm(seed=0), make_llm(seed=1)
     assert generate(a, PROMPTS[:1], params) == generate(b, PROMPTS[:1], params) != generate(c, PROMPTS[:1], params)
 
 

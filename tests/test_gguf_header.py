@@ -80,3 +80,21 @@ def test_a_truncated_header_is_an_error_not_a_crash(tmp_path):
     path.write_bytes(data[: len(data) - 50])
     with pytest.raises(ValueError, match="truncated"):
         GGUFHeader(path)
+
+
+@pytest.mark.parametrize("short_by", [1, 7])
+def test_a_string_cut_short_by_a_few_bytes_is_an_error(tmp_path, short_by):
+    """The last value is a string whose stored length runs `short_by` bytes past the end of the file
+    (read whole first, where it ends exactly at the end)."""
+    path = tmp_path / "short.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.name", "x" * 40)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = path.read_bytes()
+    assert data.endswith(b"x" * 40)
+    assert GGUFHeader(path).fields["general.name"].value == "x" * 40  # whole, ending at the last byte: fine
+    path.write_bytes(data[: len(data) - short_by])
+    with pytest.raises(ValueError, match="a string at byte .* runs past the end"):
+        GGUFHeader(path)

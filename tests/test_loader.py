@@ -271,6 +271,69 @@ def test_gguf_f32_weights_equal_hf_state_dict(arch, tmp_path):
     assert m.tokenizer is None  # this file carries no vocabulary
 
 
+@pytest.mark.parametrize("qtype", [None, gguf.GGMLQuantizationType.Q8_0])
+@pytest.mark.parametrize("chunk_bytes", [100, 1000])  # one row at a time; 3 rows of 64 floats at a time
+def test_gguf_weights_read_in_row_chunks_equal_the_stored_tensors(qtype, chunk_bytes, tmp_path, monkeypatch):
+    """Reads dequantize a few rows at a time (`CHUNK_BYTES`, lowered here so tiny tensors take many chunks):
+    every row is read, including those of a tensor with more rows than stored columns (the tied
+    embedding: 128 rows of 64 floats, or of 68 Q8_0 bytes)."""
+    from infer.core.loader import gguf_file
+
+    model = tiny_model("qwen2")  # no q/k permutation: the stored tensors are the HF ones
+    path = write_gguf(model, "qwen2", tmp_path / "m.gguf", qtype=qtype)
+    monkeypatch.setattr(gguf_file, "CHUNK_BYTES", chunk_bytes)
+    weights = load_model(path).weights
+    for name, value in checkpoint_tensors(model).items():
+        if qtype is not None and value.ndim == 2:  # gguf-py's own round trip is the oracle
+            value = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype)
+        np.testing.assert_array_equal(weights[name], value, err_msg=name)
+
+
+def test_gguf_reads_hold_one_row_chunk_of_temporaries(tmp_path, monkeypatch):
+    """Dequantizing a whole Q8_0 tensor makes float temporaries about twice its size; in chunks
+    of CHUNK_BYTES (4 KB here: 16 rows of the 1024 x 64 embedding, one row of the 64 x 1024
+    down_proj) the read's traced peak stays within a few chunks of its result."""
+    import tracemalloc
+
+    from infer.core.loader import gguf_file
+
+    model = tiny_model("qwen2", vocab_size=1024, intermediate_size=1024)
+    ckpt = gguf_file.GGUFCheckpoint(write_gguf(model, "qwen2", tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q8_0))
+    monkeypatch.setattr(gguf_file, "CHUNK_BYTES", 4096)
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+        tracemalloc.start()
+        try:
+            w = ckpt.read(name)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert w.nbytes == 256 * 1024
+        assert peak - w.nbytes < 16 * 4096, (name, peak - w.nbytes)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # llama: q/k rows stored permuted, the handle's unpermuted
+def test_gguf_q8_0_matrices_come_quantized_only_when_asked_and_vectors_always_as_floats(arch, tmp_path):
+    """`lazy_weights()` dequantizes; `lazy_weights(quantized=True)` keeps each Q8_0 matrix as an int8
+    handle standing for gguf-py's dequantization, while 1-D tensors (norms, biases: F32) stay arrays.
+    Q8_0 blocks lie along rows, so a row permutation commutes with quantizing."""
+    from infer.backends.cpu_ref.quant import dequantize
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    model = tiny_model(arch)
+    m = load_model(write_gguf(model, arch, tmp_path / "m.gguf", qtype=q8), load_weights=False)
+    plain, kept = m.lazy_weights(), m.lazy_weights(quantized=True)
+    for name, value in checkpoint_tensors(model).items():
+        want = gguf.quants.dequantize(gguf.quants.quantize(value, q8), q8) if value.ndim == 2 else value
+        assert isinstance(plain[name], np.ndarray), name
+        np.testing.assert_array_equal(plain[name], want, err_msg=name)
+        if value.ndim == 2:
+            assert kept[name].kind == "int8_group", name
+            np.testing.assert_array_equal(dequantize(kept[name]), want, err_msg=name)
+        else:
+            assert isinstance(kept[name], np.ndarray), name
+            np.testing.assert_array_equal(kept[name], want, err_msg=name)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_config_matches_hf_config(arch, tmp_path):
     model = tiny_model(arch)

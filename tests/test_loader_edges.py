@@ -86,3 +86,86 @@ def test_reading_casts_float_tensors_to_the_load_dtype_and_leaves_integer_ones(t
 
     assert _read(Checkpoint(), "w", np.dtype(np.float16)).dtype == np.float16
     assert _read(Checkpoint(), "ids", np.dtype(np.float16)).dtype == np.int32
+
+
+def test_old_style_rope_scaling_gets_a_rope_type_and_a_new_style_one_is_kept():
+    """transformers < 4.45 wrote `rope_scaling: {"type": ...}`; the core reads `rope_type`."""
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4}
+    old = normalize_config(base | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert old["rope_scaling"] == {"rope_type": "linear", "type": "linear", "factor": 2.0}
+    new = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert normalize_config(base | {"rope_scaling": dict(new)})["rope_scaling"] == new
+
+
+def test_chat_template_the_tokenizer_carries_comes_first(tmp_path):
+    """A tokenizer with a template (set on it, or loaded with it) gives that template even when the
+    directory holds no template file; without one the files are read."""
+    from server_harness import CHATML, make_tokenizer
+
+    make_model("qwen2")[0].save_pretrained(tmp_path)
+    ckpt = HFCheckpoint(tmp_path)
+    tok = make_tokenizer()
+    assert tok.chat_template == CHATML
+    assert ckpt.chat_template(tok) == CHATML
+    assert ckpt.chat_template() is None
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    tok.chat_template = None
+    assert ckpt.chat_template(tok) == "{{ messages }}"
+
+
+@pytest.mark.parametrize("factor, rotary_dim", [(1.0, 64), (0.5, 32), (0.25, 16)])
+def test_partial_rotary_factor_rotates_that_fraction_of_each_head(factor, rotary_dim):
+    """HF's rule (transformers' rope init): dim = int(head_dim * partial_rotary_factor)."""
+    from infer.core.models.config import normalize_config as model_config
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, "partial_rotary_factor": factor}
+    got = model_config(cfg)
+    assert (got.head_dim, got.rotary_dim) == (64, rotary_dim)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("step, dense", [(1, []), (2, []), (3, []), (2, [1, 3]), (1, [0, 4])])
+def test_sparse_layers_are_those_transformers_builds_with_experts(arch, step, dense):
+    """decoder_sparse_step and mlp_only_layers as transformers reads them: the oracle is which
+    layers of the transformers model get an MoE block."""
+    import transformers
+    from tiny_moe_models import COMMON, MOE_MODELS
+
+    cfg_cls, model_cls, extra = MOE_MODELS[arch]
+    config = getattr(transformers, cfg_cls)(**(COMMON | extra | dict(num_hidden_layers=6, decoder_sparse_step=step,
+                                                                      mlp_only_layers=dense)))
+    model = getattr(transformers, model_cls)(config)
+    want = {i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
+    assert want != set(range(6)) or (step, dense) == (1, [])  # the oracle does tell the layers apart
+    assert moe_spec(config.to_dict() | {"architectures": [model_cls]}, 6).sparse_layers == want
+
+
+def test_unsigned_integer_tensors_count_and_read_their_bytes(tmp_path):
+    """U16/U32/U64, which torch cannot save: written with safetensors' NumPy API."""
+    from safetensors.numpy import save_file as save_numpy
+
+    from infer.core.loader.safetensors_file import read_tensor
+
+    tensors = {"U8": np.arange(15, dtype=np.uint8), "U16": np.arange(15, dtype=np.uint16) * 4001,
+               "U32": np.arange(15, dtype=np.uint32) * 270_000_001, "U64": np.arange(15, dtype=np.uint64) * 2**60}
+    tensors = {k: v.reshape(3, 5) for k, v in tensors.items()}
+    save_numpy(tensors, str(tmp_path / "u.safetensors"))
+    entries = read_header(tmp_path / "u.safetensors")
+    assert {n: (e.dtype, e.nbytes) for n, e in entries.items()} == {n: (n, t.nbytes) for n, t in tensors.items()}
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(read_tensor(entries[name]), t, err_msg=name)
+
+
+def test_safetensors_files_without_an_index_are_read_together_and_a_tensor_in_two_is_refused(tmp_path):
+    from infer.core.loader.errors import CorruptCheckpointError
+    from infer.core.loader.safetensors_file import find_safetensors
+
+    save_file({"a": torch.zeros(2), "b": torch.ones(3)}, tmp_path / "part-1.safetensors")
+    save_file({"c": torch.full((4,), 2.0)}, tmp_path / "part-2.safetensors")
+    entries = find_safetensors(tmp_path)
+    assert {n: e.file.name for n, e in entries.items()} == {"a": "part-1.safetensors", "b": "part-1.safetensors",
+                                                           "c": "part-2.safetensors"}
+    save_file({"b": torch.ones(3)}, tmp_path / "part-3.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="'b' is in both part-1.safetensors and part-3.safetensors"):
+        find_safetensors(tmp_path)

@@ -23,12 +23,15 @@ def test_counts_accumulate_per_layer_and_the_last_step_is_kept():
 
 
 def test_imbalance_is_max_over_mean_per_layer():
-    load = ExpertLoad({0: 4, 1: 4}, np.asarray)
-    load.record({0: np.array([4, 0, 0, 0]), 1: np.array([1, 1, 1, 1])})
+    """Non-uniform loads whose means are not 1 (2, 3 and 1/4), so max * mean or max - mean cannot pass."""
+    load = ExpertLoad({0: 4, 1: 4, 2: 4}, np.asarray)
+    load.record({0: np.array([5, 1, 2, 0]), 1: np.array([3, 2, 3, 4]), 2: np.array([0, 1, 0, 0])})
     snap = load.snapshot()
-    np.testing.assert_allclose(snap.imbalance, [4.0, 1.0])
+    np.testing.assert_allclose(snap.imbalance, [2.5, 4 / 3, 4.0])
     assert snap.max_imbalance == 4.0
-    assert snap.as_dict()["imbalance"] == [4.0, 1.0]
+    assert snap.as_dict()["imbalance"] == pytest.approx([2.5, 4 / 3, 4.0])
+    load.record({0: np.array([1, 1, 2, 4]), 1: np.array([1, 2, 1, 0]), 2: np.array([2, 0, 1, 1])})
+    np.testing.assert_allclose(load.snapshot().imbalance, [6 / 4, 4 / 4, 2 / 1.25])  # over the accumulated counts
 
 
 def test_no_tokens_yet_has_no_imbalance_and_reset_clears():

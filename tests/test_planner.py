@@ -105,3 +105,76 @@ def test_infer_plan_prints_the_tables(capsys):
     for text in ("Token-Table: attention (3 requests, 365 tokens", "Task-Table: 4 cores", "load balance (max/mean)",
                  "Token-Table: o_proj (SmoothGEMM, M=365 padded to 384"):
         assert text in out
+
+
+def test_imbalance_is_max_over_mean_load_and_one_for_an_idle_step():
+    table = lambda load: xy_plan.TaskTable(tuple(np.arange(0) for _ in load), np.asarray(load, np.float64))  # noqa: E731
+    assert table([0, 1]).imbalance == 2.0  # a mean below 1 is still a mean
+    assert table([3, 1]).imbalance == 1.5
+    assert table([0.25, 0.75, 0.5]).imbalance == 1.5
+    assert table([2, 2]).imbalance == 1.0
+    assert table([0, 0]).imbalance == 1.0  # nothing to run: balanced, not 0/0
+    assert table([]).imbalance == 1.0
+
+
+def _loads(core_of, cost, cores):
+    return np.bincount(core_of, weights=cost, minlength=cores)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=30), st.integers(2, 5), st.data())
+def test_rebalance_never_raises_the_maximum_and_stops_only_when_no_swap_or_move_helps(costs, cores, data):
+    """The docstring's rule, checked on the real loads afterwards: no unit u of the busiest core and
+    v of the idlest (or no v: a move) with 0 < cost[u] - cost[v] < gap is left, and the maximum
+    never went up. Integer costs keep the arithmetic exact."""
+    cost = np.asarray(costs, np.float64)
+    core_of = np.asarray(data.draw(st.lists(st.integers(0, cores - 1), min_size=len(costs), max_size=len(costs))))
+    before = _loads(core_of, cost, cores).max()
+    xy_plan._rebalance(core_of, cost, cores, max_rounds=100_000)  # it ends well before: each step lowers sum(load**2)
+    load = _loads(core_of, cost, cores)
+    assert load.max() <= before
+    hi, lo = int(np.argmax(load)), int(np.argmin(load))
+    gap = load[hi] - load[lo]
+    partners = np.append(cost[core_of == lo], 0.0)
+    delta = cost[core_of == hi][:, None] - partners[None, :]
+    assert not ((delta > 0) & (delta < gap)).any(), (load, core_of)
+
+
+def test_rebalance_takes_the_swap_closest_to_half_the_gap():
+    # core 0 holds a 1, core 1 a 4 and a 2 (gap 5): swapping the 4 with the 1 moves 3, closest to 2.5.
+    core_of = np.array([0, 1, 1])
+    xy_plan._rebalance(core_of, np.array([1.0, 4.0, 2.0]), 2)
+    assert core_of.tolist() == [1, 0, 1]
+
+
+def test_rebalance_moves_a_unit_when_the_idlest_core_has_none_to_swap():
+    core_of = np.array([0, 0, 0])
+    xy_plan._rebalance(core_of, np.array([1.0, 1.0, 1.0]), 3)
+    assert sorted(core_of.tolist()) == [0, 1, 2]
+
+
+def test_rebalance_makes_at_most_200_swaps_by_default():
+    """The round cap bounds planning time: 400 equal units on one of two cores need exactly 200 moves
+    to balance; 402 would need 201 and stop one short."""
+    core_of = np.zeros(400, np.int64)
+    xy_plan._rebalance(core_of, np.ones(400), 2)
+    assert _loads(core_of, np.ones(400), 2).tolist() == [200, 200]
+    core_of = np.zeros(402, np.int64)
+    xy_plan._rebalance(core_of, np.ones(402), 2)
+    assert _loads(core_of, np.ones(402), 2).tolist() == [202, 200]
+    core_of = np.zeros(10, np.int64)
+    xy_plan._rebalance(core_of, np.ones(10), 2, max_rounds=3)
+    assert _loads(core_of, np.ones(10), 2).tolist() == [7, 3]
+
+
+def test_rebalance_handles_fractional_costs():
+    core_of = np.array([0, 0])
+    xy_plan._rebalance(core_of, np.array([0.5, 0.5]), 2)  # gap 1.0, a move of 0.5 halves it
+    assert sorted(core_of.tolist()) == [0, 1]
+
+
+def test_rebalance_never_swaps_units_of_equal_cost():
+    """Such a swap changes no load: the plan stays as dealt."""
+    core_of = np.array([0, 1, 1])
+    xy_plan._rebalance(core_of, np.array([2.0, 2.0, 2.0]), 2, max_rounds=1)
+    assert core_of.tolist() == [0, 1, 1]

@@ -16,8 +16,10 @@ from infer.core.loader.gguf_file import unpermute_rows
 from infer.core.loader.quant_gguf import permute_rows, to_handle
 from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
+from infer.core.quant_params import concat_rows
 from infer.core.models.llama import build_llama
 from infer.primitives.fp8 import E4M3_MAX, e4m3_decode, e4m3_encode
+from infer.primitives.types import Fp8Weight, Int8GroupWeight
 from infer.dispatch import Ops
 from infer.registry import get_backend
 from infer.testing.cases import all_cases
@@ -104,7 +106,11 @@ def test_online_fp8_tiny_llama_logits_close_to_transformers(backend_name):
     backend = get_backend(backend_name)
     runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), dict(weights), "float32", 256,
                          quantization="fp8")
-    assert {h.kind for h in runner._handles.values()} == {"fp8", "dense"}  # projections fp8, lm_head dense
+    # Online fp8 covers the attention and MLP projections only: lm_head (and the embedding) stay dense.
+    kinds = {weight: h.kind for (weight, _), h in runner._handles.items()}
+    assert kinds == {n: "dense" if n == "lm_head" else "fp8" for n in kinds}
+    assert {n.split(".")[-1] for n in kinds} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert isinstance(runner.tensors["embed_tokens"], type(backend.asarray(np.zeros(1, np.float32))))
     runner.allocate_kv_caches(num_blocks=4, block_size=16)
     ids = np.random.default_rng(1).integers(0, 211, 20)
     got = _logits(runner, backend, ids)
@@ -171,3 +177,31 @@ def test_fp8_kv_cache_holds_twice_the_tokens_and_keeps_greedy_tokens(tiny_dir, b
     # model sit far enough apart that nearly all survive it.
     same = np.mean([a == b for x, y in zip(runs["auto"][1], runs["fp8"][1]) for a, b in zip(x, y)])
     assert same >= 0.8, runs
+
+
+def _int8(rows: int, group_size: int, cols: int = 64):
+    rng = np.random.default_rng(rows)
+    return Int8GroupWeight(rng.integers(-127, 128, (rows, cols)).astype(np.int8),
+                           rng.random((rows, cols // group_size), dtype=np.float32), group_size)
+
+
+def _fp8(rows: int, cols: int = 64):
+    return Fp8Weight(np.random.default_rng(rows).integers(0, 120, (rows, cols)).astype(np.uint8), np.ones(rows, np.float32))
+
+
+@pytest.mark.parametrize("parts", [[_int8(4, 32), _int8(2, 64)], [_int8(4, 32), _fp8(2)], [_fp8(4), _int8(2, 32)],
+                                   [_int8(4, 32), _int8(2, 32), _fp8(2)], [_int8(4, 32), _fp8(2), _int8(2, 32)]],
+                         ids=["group-sizes", "int8-fp8", "fp8-int8", "third-differs", "second-differs"])
+def test_fusing_quantized_weights_of_different_formats_is_refused(parts):
+    """q/k/v (gate/up) fuse by row concatenation only when every part has the first one's format."""
+    with pytest.raises(ValueError, match="cannot fuse a"):
+        concat_rows(parts)
+
+
+def test_fusing_quantized_weights_concatenates_every_per_row_field():
+    parts = [_int8(4, 32), _int8(2, 32), _int8(3, 32)]
+    fused = concat_rows(parts)
+    assert isinstance(fused, Int8GroupWeight) and fused.group_size == 32 and fused.bias is None
+    np.testing.assert_array_equal(fused.qweight, np.concatenate([p.qweight for p in parts]))
+    np.testing.assert_array_equal(fused.scales, np.concatenate([p.scales for p in parts]))
+    assert concat_rows(parts[:1]) is parts[0]

@@ -211,6 +211,12 @@ def test_one_kv_scale_serves_k_and_v(tmp_path):
     assert set(runner.kv_scales) == {(2.0, 2.0)}
 
 
+def test_half_a_kv_scale_pair_is_passed_over_for_a_whole_one(tmp_path):
+    _with_kv_scales(tmp_path, lambda i: {"k_scale": 9.0, "k_proj.output_scale": 0.5, "v_proj.output_scale": 0.75})
+    runner, _ = _fp8_kv_runner(tmp_path, "cpu_ref")
+    assert set(runner.kv_scales) == {(0.5, 0.75)}
+
+
 def test_kv_scales_on_some_layers_only_are_refused(tmp_path):
     _with_kv_scales(tmp_path, lambda i: {"k_scale": 1.5, "v_scale": 1.5} if i == 0 else {})
     with pytest.raises(ValueError, match="for 1 of"):

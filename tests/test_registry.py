@@ -278,3 +278,24 @@ def test_plugin_whose_hook_raises_is_listed_not_fatal(monkeypatch):
     reg = fake_registry(monkeypatch, FakeEntryPoint("crashy", RaisingPlugin()))
     assert "vendor SDK crashed" in reg.broken["crashy"]
     assert reg.backends["cpu_ref"].available
+
+
+def test_arguments_leave_off_every_trailing_optional_argument_not_given():
+    """A backend sees exactly the required arguments (in signature order) when no optional one is given,
+    and Nones only for optional arguments before one that is."""
+    from infer.primitives.binding import SIGNATURES, arguments
+
+    for primitive, sig in SIGNATURES.items():
+        required = {a.name: f"{primitive}.{a.name}" for a in sig if not a.optional}
+        last = max((i for i, a in enumerate(sig) if not a.optional), default=-1)
+        assert arguments(primitive, required) == [required.get(a.name) for a in sig[:last + 1]], primitive
+        if sig and sig[-1].optional:
+            given = required | {sig[-1].name: "last"}
+            assert arguments(primitive, given) == [given.get(a.name) for a in sig], primitive
+
+
+def test_a_dense_weight_is_out_features_by_in_features():
+    from infer.primitives.types import DenseWeight
+
+    w = DenseWeight(np.zeros((3, 5), np.float32))
+    assert (w.out_features, w.in_features) == (3, 5)

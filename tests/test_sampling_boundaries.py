@@ -156,3 +156,14 @@ def test_token_histories_of_different_lengths_are_padded_with_minus_one_never_a_
     t = build_sampling_tensors([row([5, 6, 7], [8]), row([9], [])])
     assert t.prompt_token_ids.tolist() == [[5, 6, 7], [9, -1, -1]]
     assert t.output_token_ids.tolist() == [[8], [-1]]
+
+
+@pytest.mark.parametrize("top_k, ok", [(0, True), (-1, True), (1, True), (2**30, True), (2**31 - 1, True),
+                                       (2**31, False), (2**32, False), (-2, False), (1.5, False)])
+def test_top_k_takes_any_int32_from_0_and_nothing_else(top_k, ok):
+    """The sampling tensors hold top_k as int32: 2**31 - 1 is the largest a request may ask for."""
+    if ok:
+        assert SamplingParams(top_k=top_k).top_k == max(top_k, 0)
+    else:
+        with pytest.raises(ValueError, match="top_k"):
+            SamplingParams(top_k=top_k)

@@ -463,3 +463,13 @@ def test_finish_requests_ends_live_requests_and_skips_the_rest():
     assert list(sched.requests) == ["b"]
     with pytest.raises(ValueError, match="FINISHED"):
         sched.finish_requests(["b"], RequestStatus.RUNNING)
+
+
+def test_without_chunked_prefill_the_context_limit_is_the_step_budget_unless_set():
+    """Unset, max_model_len becomes what one unchunked step can hold (and the pool); set larger than
+    the budget, it is refused rather than quietly lowered."""
+    assert make_scheduler(max_num_batched_tokens=24, enable_chunked_prefill=False).max_model_len == 24
+    assert make_scheduler(max_num_batched_tokens=24).max_model_len == 64 * 4  # chunked: the pool
+    assert make_scheduler(max_num_batched_tokens=24, max_model_len=16, enable_chunked_prefill=False).max_model_len == 16
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(max_num_batched_tokens=24, max_model_len=32, enable_chunked_prefill=False)

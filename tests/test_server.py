@@ -1,8 +1,11 @@
 """`infer serve` as a real uvicorn process, driven by the official openai client and raw httpx.
 
 Two tiny random Llamas (different weights, a real byte-level BPE tokenizer and
-a ChatML template) are served by one process under an API key; the offline
-`LLM` on the same directories is the oracle for every greedy output.
+a ChatML template) are served by one process under an API key. The oracle for
+every greedy output shares no code with infer: transformers' model of the same
+directory, argmax token by token, its tokenizer's encode, chat template and
+`decode` (cut before a last character left incomplete); usage is the count of
+those tokens.
 """
 
 from __future__ import annotations
@@ -16,11 +19,10 @@ import httpx
 import openai
 import pytest
 import schemathesis
+import torch
+import transformers
 from hypothesis import HealthCheck, given, settings
 from server_harness import Server, make_tiny_model_dir, metric, wait_idle
-
-from infer.core.llm import LLM
-from infer.core.sampling_params import SamplingParams
 
 KEY = "sk-test-key"
 MODELS = ("tiny-a", "tiny-b")
@@ -47,15 +49,48 @@ def server(model_dirs):
     assert srv.stop() == 0, "".join(srv.log)
 
 
+class Oracle:
+    """transformers' greedy decoding of one model directory, and its tokenizer's text."""
+
+    def __init__(self, path):
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        self.eos = self.model.config.eos_token_id
+        self._memo: dict = {}
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+        """The argmax token after each prefix (the whole sequence recomputed: no cache to get wrong)."""
+        key = (tuple(prompt_ids), max_tokens, ignore_eos)
+        if key not in self._memo:
+            ids, out = list(prompt_ids), []
+            with torch.no_grad():
+                while len(out) < max_tokens and (ignore_eos or not out or out[-1] != self.eos):
+                    out.append(int(self.model(torch.tensor([ids + out])).logits[0, -1].argmax()))
+            self._memo[key] = out
+        return self._memo[key]
+
+    def text(self, ids: list[int]) -> str:
+        """The tokenizer's decode of the ids, up to the last token that completes a character: a text
+        never ends in the U+FFFD of a character whose remaining bytes never came (as in vLLM)."""
+        for k in range(len(ids), -1, -1):
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if not text.endswith("\ufffd"):
+                return text
+
+    def chat(self, messages, max_tokens: int) -> tuple[list[int], list[int]]:
+        """(prompt ids, generated ids) of a chat turn with the model's template."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+        return prompt, self.generate(prompt, max_tokens)
+
+
 @pytest.fixture(scope="module")
 def oracle(model_dirs):
-    """The offline LLM of each served model."""
-    return {name: LLM(str(path), backend="torch", max_num_seqs=8) for name, path in model_dirs.items()}
+    return {name: Oracle(path) for name, path in model_dirs.items()}
 
 
-def greedy(llm: LLM, prompts, max_tokens=16, **kw) -> list[str]:
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, **kw), use_tqdm=False)
-    return [o.outputs[0].text for o in outs]
+def greedy(oracle: Oracle, prompts, max_tokens=16, ignore_eos=False) -> list[str]:
+    return [oracle.text(oracle.generate(oracle.tokenizer(p).input_ids, max_tokens, ignore_eos)) for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +107,14 @@ def test_models_lists_every_served_model(client):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_greedy_completion_equals_llm_generate(client, oracle, model):
+def test_greedy_completion_equals_transformers_greedy(client, oracle, model):
     """Routing by `model`: each name answers with its own weights."""
     want = greedy(oracle[model], PROMPTS[:3], ignore_eos=True)
     got = [client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
            for p in PROMPTS[:3]]
     assert [r.choices[0].text for r in got] == want
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16 for r in got)
+    assert [r.usage.prompt_tokens for r in got] == [len(oracle[model].tokenizer(p).input_ids) for p in PROMPTS[:3]]
     assert want != greedy(oracle[MODELS[1 - MODELS.index(model)]], PROMPTS[:3], ignore_eos=True)
 
 
@@ -112,9 +148,10 @@ def test_stop_string_is_cut_from_streamed_and_whole_text(client, oracle):
     assert whole.finish_reason == "stop"
 
 
-def test_chat_greedy_equals_llm_chat_streamed_or_not(server, oracle):
+def test_chat_greedy_equals_transformers_chat_streamed_or_not(server, oracle):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a capital."}]
-    want = oracle["tiny-b"].chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    prompt_ids, out_ids = oracle["tiny-b"].chat(messages, 24)
+    want = oracle["tiny-b"].text(out_ids)
 
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
@@ -127,11 +164,13 @@ def test_chat_greedy_equals_llm_chat_streamed_or_not(server, oracle):
         return whole, chunks
 
     whole, chunks = asyncio.run(run())
-    assert whole.choices[0].message.content == want.outputs[0].text
+    assert whole.choices[0].message.content == want
     assert whole.choices[0].message.role == "assistant"
-    assert whole.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == len(out_ids)
+    assert whole.choices[0].finish_reason == ("stop" if out_ids[-1] == oracle["tiny-b"].eos else "length")
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 

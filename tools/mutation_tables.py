@@ -25,7 +25,7 @@ TESTS = {
     "infer/core/sampling_params.py": ["tests/test_sampling_boundaries.py", *ENGINE],
     "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE],
     "infer/core/outputs.py": ["tests/test_outputs.py", *ENGINE],
-    "infer/core/engine.py": ENGINE,
+    "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py"],
     "infer/core/llm.py": ENGINE,
     "infer/core/async_engine.py": ["tests/test_async_engine.py", "tests/test_stream_errors.py",
                                    "tests/test_nonascii_output.py", "tests/test_server_metrics.py"],
@@ -133,6 +133,11 @@ HAND = [
 ]
 
 # -- auto mutants that cannot be killed: (file, original line, mutated line) -> why --------------------------
+_NUMPY_RESHAPE = "NumPy reads any negative size in reshape as the one inferred dimension: -2 acts as -1"
+_GGUF_CHUNK = ("the chunk size trades peak memory against the number of dequantize calls: the weights read are the "
+               "same, and test_gguf_reads_hold_one_row_chunk_of_temporaries bounds the temporaries relative to it")
+_GGUF_STEP = ("rows per chunk a third more or a fifth fewer (or at least 2): the same weights, temporaries within "
+              "the bound test_gguf_reads_hold_one_row_chunk_of_temporaries sets")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("infer/core/llm.py", "use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:",
      "use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:"):
@@ -182,4 +187,122 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "block_hashes: list[bytes] = field(init=False, repr=True)"): "repr only",
     ("infer/core/async_engine.py", "self._streams.clear()", "pass"):
         "the engine thread returns right after _fail_all; nothing reads _streams again",
+    ("infer/core/xy_plan.py", "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 1)",
+     "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 0)"):
+        "max(n, 0) differs from max(n, 1) only for n == 0, where the array divided is empty: the same empty result",
+    ("infer/core/xy_plan.py", "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 1)",
+     "core_of = (np.arange(len(cost)) * num_cores) // max(len(cost), 2)"):
+        "max(n, 2) differs from max(n, 1) only for n <= 1, where the only index is 0 and 0 // 1 == 0 // 2",
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 3 << 20"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 4 << 19"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 4 << 21"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "CHUNK_BYTES = 4 << 20",
+     "CHUNK_BYTES = 5 << 20"):
+        _GGUF_CHUNK,
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(0, w.shape[1] * 4))"):
+        "a tensor has at least one column: max(0, n) == max(1, n)",
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 3))"):
+        _GGUF_STEP,
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 5))"):
+        _GGUF_STEP,
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(1, CHUNK_BYTES // max(2, w.shape[1] * 4))"):
+        "a row is at least 4 bytes: max(2, n) == max(1, n)",
+    ("infer/core/loader/gguf_file.py", "step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))",
+     "step = max(2, CHUNK_BYTES // max(1, w.shape[1] * 4))"):
+        _GGUF_STEP,
+    ("infer/core/models/config.py",
+     "tie_word_embeddings: bool = False",
+     "tie_word_embeddings: bool = True"):
+        "ModelConfig is built by normalize_config alone (moe_model_config replaces fields of its result), which passes every field: the class defaults are never read",
+    ("infer/core/models/config.py",
+     "qkv_bias: bool = False",
+     "qkv_bias: bool = True"):
+        "ModelConfig is built by normalize_config alone (moe_model_config replaces fields of its result), which passes every field: the class defaults are never read",
+    ("infer/core/models/config.py",
+     "o_bias: bool = False",
+     "o_bias: bool = True"):
+        "ModelConfig is built by normalize_config alone (moe_model_config replaces fields of its result), which passes every field: the class defaults are never read",
+    ("infer/core/models/config.py",
+     "mlp_bias: bool = False",
+     "mlp_bias: bool = True"):
+        "ModelConfig is built by normalize_config alone (moe_model_config replaces fields of its result), which passes every field: the class defaults are never read",
+    ("infer/core/models/config.py",
+     "qk_norm: bool = False",
+     "qk_norm: bool = True"):
+        "ModelConfig is built by normalize_config alone (moe_model_config replaces fields of its result), which passes every field: the class defaults are never read",
+    ("infer/core/models/config.py",
+     "raw: dict[str, Any] = field(default_factory=dict, repr=False)",
+     "raw: dict[str, Any] = field(default_factory=dict, repr=True)"):
+        "repr only",
+    ("infer/core/loader/load.py",
+     "def __init__(self, ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None, quantized: bool = False):",
+     "def __init__(self, ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None, quantized: bool = True):"):
+        "LazyWeights is built by LoadedModel.lazy_weights alone, which passes `quantized`: the default is never read",
+    ("infer/core/loader/gguf_file.py",
+     "stored = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)",
+     "stored = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-2)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/gguf_file.py",
+     "data = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)",
+     "data = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -2)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/gguf_file.py",
+     "data = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)",
+     "data = t.data.reshape(-2, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/quant_hf.py",
+     "q = _nibbles(qweight)[..., inverse].reshape(qweight.shape[0], -1)",
+     "q = _nibbles(qweight)[..., inverse].reshape(qweight.shape[0], -2)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/quant_hf.py",
+     "z = _nibbles(qzeros)[..., inverse].reshape(qzeros.shape[0], -1)",
+     "z = _nibbles(qzeros)[..., inverse].reshape(qzeros.shape[0], -2)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/quant_hf.py",
+     "q = _nibbles(qweight).transpose(0, 2, 1).reshape(k, -1) # k = 8r + j",
+     "q = _nibbles(qweight).transpose(0, 2, 1).reshape(k, -2) # k = 8r + j"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/quant_hf.py",
+     "z = _nibbles(qzeros).reshape(qzeros.shape[0], -1).astype(np.int16)",
+     "z = _nibbles(qzeros).reshape(qzeros.shape[0], -2).astype(np.int16)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/loader/quant_hf.py",
+     "scales = np.asarray(get(\"weight_scale\"), dtype=np.float32).reshape(-1)",
+     "scales = np.asarray(get(\"weight_scale\"), dtype=np.float32).reshape(-2)"):
+        _NUMPY_RESHAPE,
+    ("infer/core/model_runner.py",
+     "pair = tuple(float(np.asarray(weights[prefix + n], dtype=np.float32).reshape(-1)[0])",
+     "pair = tuple(float(np.asarray(weights[prefix + n], dtype=np.float32).reshape(-2)[0])"):
+        _NUMPY_RESHAPE,
+    ("infer/primitives/dequant.py",
+     "return np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)",
+     "return np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -2)"):
+        _NUMPY_RESHAPE,
+    ("infer/primitives/fp8.py",
+     "return codes, scales.reshape(-1).astype(np.float32)",
+     "return codes, scales.reshape(-2).astype(np.float32)"):
+        _NUMPY_RESHAPE,
+    ("infer/backends/cpu_ref/attention.py",
+     "k = kv_cache[0, block_ids].reshape(-1, hk, d)[:seq_len]",
+     "k = kv_cache[0, block_ids].reshape(-2, hk, d)[:seq_len]"):
+        _NUMPY_RESHAPE,
+    ("infer/backends/cpu_ref/attention.py",
+     "v = kv_cache[1, block_ids].reshape(-1, hk, d)[:seq_len]",
+     "v = kv_cache[1, block_ids].reshape(-2, hk, d)[:seq_len]"):
+        _NUMPY_RESHAPE,
+    ("infer/primitives/types.py", "prepared: Any = field(default=None, repr=False)",
+     "prepared: Any = field(default=None, repr=True)"): "repr only (the same line in every weight handle class)",
+    ("infer/core/engine.py", "be.asarray(np.array([n - 1], np.int64)), self.runner.prepare_metadata(meta))",
+     "be.asarray(np.array([n - 2], np.int64)), self.runner.prepare_metadata(meta))"):
+        "the profiling forward samples one row: which one changes no buffer, so not the peak it measures",
 }

@@ -50,6 +50,8 @@ _LAYER_NAMES = {
 # Tensors that are config, not weights: llama.cpp bakes Llama 3 rope scaling into rope_freqs.
 _CONFIG_TENSORS = {"rope_freqs.weight"}
 _REFETCH = "re-download the GGUF file"
+# Float32 bytes of the row chunks `GGUFCheckpoint.read` dequantizes at a time (bounds its temporaries).
+CHUNK_BYTES = 4 << 20
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -208,7 +210,7 @@ class GGUFCheckpoint:
         # Row chunks into one preallocated array: whole-tensor dequantization
         # makes several float temporaries of the tensor's size (the embedding's
         # are hundreds of MB), which is what set the load's peak RSS.
-        step = max(1, (4 << 20) // max(1, w.shape[1] * 4))
+        step = max(1, CHUNK_BYTES // max(1, w.shape[1] * 4))
         try:
             for lo in range(0, data.shape[0], step):
                 w[lo:lo + step] = dequantize(data[lo:lo + step], t.tensor_type)
