@@ -8,7 +8,8 @@ from __future__ import annotations
 TOO_SLOW = ["tests/test_engine.py::test_greedy_output_does_not_depend_on_scheduling"]
 
 # -- which fast tests guard which module (most likely killers first: -x stops at the first failure) ----------
-SCHED = ["tests/test_scheduler_edges.py", "tests/test_scheduler.py", "tests/test_block_manager.py"]
+SCHED = ["tests/test_scheduler_edges.py", "tests/test_scheduler.py", "tests/test_scheduler_pipeline.py",
+         "tests/test_block_manager.py"]
 ENGINE = ["tests/test_nonascii_output.py", "tests/test_detokenizer_multibyte.py", "tests/test_engine.py",
           "tests/test_async_engine.py", "tests/test_stream_errors.py"]
 KERNELS = ["tests/test_sampling_boundaries.py", "tests/test_cpu_ref.py", "tests/test_conformance.py",
@@ -25,7 +26,20 @@ TESTS = {
     "infer/core/sampling_params.py": ["tests/test_sampling_boundaries.py", *ENGINE],
     "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE],
     "infer/core/outputs.py": ["tests/test_outputs.py", *ENGINE],
-    "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py"],
+    "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py", "tests/test_scheduler_pipeline.py"],
+    # Distributed serving: the one-process tests of the sharded graph first, then real gloo ranks.
+    "infer/core/parallel.py": [f"tests/test_distributed.py::{t}" for t in (
+        "test_head_layout_splits_or_replicates_kv_heads", "test_head_layout_pairs_every_query_head_with_its_kv_head",
+        "test_shard_graph_param_shapes_and_slices", "test_row_parallel_bias_is_added_once",
+        "test_moe_experts_are_split_inside_each_expert", "test_shared_expert_is_reduced_with_the_moe_not_alone",
+        "test_program_reduces_each_block_once_and_gathers_logits", "test_tp2_generates_what_one_process_does")],
+    "infer/core/distributed.py": [f"tests/test_distributed.py::{t}" for t in (
+        "test_stage_layers_split_evenly", "test_tp2_generates_what_one_process_does",
+        "test_pipeline_stages_generate_what_one_process_does", "test_a_dead_worker_fails_the_engine_naming_the_rank",
+        "test_torchrun_external_launcher", "test_ranks_that_disagree_fail_at_startup")],
+    "infer/core/worker.py": ["tests/test_distributed.py::test_tp2_generates_what_one_process_does",
+                             "tests/test_distributed.py::test_pipeline_stages_generate_what_one_process_does"],
+    "infer/core/data_parallel.py": ["tests/test_distributed.py::test_data_parallel_replicas_behind_one_server"],
     "infer/core/llm.py": ENGINE,
     "infer/core/async_engine.py": ["tests/test_async_engine.py", "tests/test_stream_errors.py",
                                    "tests/test_nonascii_output.py", "tests/test_server_metrics.py"],
@@ -302,7 +316,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         _NUMPY_RESHAPE,
     ("infer/primitives/types.py", "prepared: Any = field(default=None, repr=False)",
      "prepared: Any = field(default=None, repr=True)"): "repr only (the same line in every weight handle class)",
-    ("infer/core/engine.py", "be.asarray(np.array([n - 1], np.int64)), self.runner.prepare_metadata(meta))",
-     "be.asarray(np.array([n - 2], np.int64)), self.runner.prepare_metadata(meta))"):
+    ("infer/core/engine.py",
+     "self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta))",
+     "self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 2], np.int64), meta))"):
         "the profiling forward samples one row: which one changes no buffer, so not the peak it measures",
 }
