@@ -169,3 +169,33 @@ def test_a_program_that_never_shuts_the_engine_down_still_exits(model_dir):
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"the process did not exit: {exc.stdout}") from None
     assert r.returncode == 0 and r.stdout.strip() == "built", r.stderr
+
+
+def test_a_caller_cancelled_before_acceptance_leaves_no_request_running(allm, stats):
+    """The engine thread cannot take the request until the caller has been cancelled (the
+    test holds the engine's lock meanwhile): the request must then be aborted, not
+    generated for nobody."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def run():
+        with allm._cv:  # re-entrant: generate() takes it too, the engine thread waits
+            task = asyncio.create_task(allm.generate("gone", "The quick brown fox", long))
+            await asyncio.sleep(0)  # it queued the request and waits for acceptance
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        # The caller's loop stays open (a closed one would make the engine drop the request itself)
+        # until the request has finished one way or the other.
+        deadline = time.time() + 30
+        while not finished_stats():
+            assert time.time() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
+
+    def finished_stats():
+        return [f for _, it in list(stats) if it is not None for f in it.finished]
+
+    asyncio.run(run())
+    wait_idle(allm)
+    finished = finished_stats()
+    assert [f.finish_reason for f in finished] == ["abort"]
+    assert sum(f.num_generation_tokens for f in finished) < 60

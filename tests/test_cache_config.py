@@ -57,3 +57,10 @@ def test_without_a_set_block_size_the_backends_must_be_positive(preferred):
     with pytest.raises(ValueError, match="preferred_block_size must be a positive integer"):
         CacheConfig(num_blocks=8).resolve(preferred_block_size=preferred)
     assert CacheConfig(block_size=4, num_blocks=8).resolve(preferred_block_size=preferred).block_size == 4
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_blocks", "kv_cache_memory_bytes"])
+@pytest.mark.parametrize("value", [0, -16])
+def test_each_size_must_be_positive(field, value):
+    with pytest.raises(ValueError, match=f"CacheConfig.{field}"):
+        CacheConfig(**{field: value})

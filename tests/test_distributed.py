@@ -498,3 +498,15 @@ def test_gguf_shards_read_only_their_blocks_and_match_the_whole_tensor():
         np.testing.assert_allclose(dequantize(handle), whole[cut], rtol=0, atol=1e-6)
     # a cut through a block falls back to the whole tensor, still exact
     np.testing.assert_array_equal(ckpt.read_slice(cases[2][0], 1, 16, 48), ckpt.read(cases[2][0])[:, 16:48])
+
+
+def test_each_rank_of_each_replica_gets_its_own_accelerator():
+    from infer.core.engine import EngineArgs, device_index
+
+    # 2 replicas of TP2 x PP2 on one node: replica 1's ranks take devices 4-7
+    a = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_rank=1)
+    assert [device_index(a, r) for r in range(4)] == [4, 5, 6, 7]
+    # TP8 over 2 nodes: 4 ranks a node, local ranks 0-3 on each
+    b = EngineArgs(tensor_parallel_size=8, nnodes=2, node_rank=1)
+    assert [device_index(b, r) for r in range(4)] == [0, 1, 2, 3]
+    assert device_index(EngineArgs(data_parallel_rank=3), 0) == 3

@@ -320,4 +320,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta))",
      "self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 2], np.int64), meta))"):
         "the profiling forward samples one row: which one changes no buffer, so not the peak it measures",
+    ("infer/core/detokenizer.py", "_CONTEXT_TOKENS = 5", "_CONTEXT_TOKENS = 6"):
+        "prompt tokens re-decoded for context: any count from 1 up gives the leading-space rule of BPE and "
+        "sentencepiece tokenizers the token before; one more changes no text",
+    ("infer/core/detokenizer.py", "_CONTEXT_TOKENS = 5", "_CONTEXT_TOKENS = 4"):
+        "prompt tokens re-decoded for context: any count from 1 up gives the leading-space rule of BPE and "
+        "sentencepiece tokenizers the token before; one fewer changes no text",
 }

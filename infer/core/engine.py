@@ -177,12 +177,17 @@ class _Launched:
         self.out, self.mi, self.forward, self.logits_shape = out, mi, forward, logits_shape
 
 
+def device_index(a: EngineArgs, local_rank: int) -> int:
+    """Which of this node's accelerators a rank uses: the replica's ranks on this node
+    come after the earlier data-parallel replicas' (one device per rank)."""
+    per_node = a.tensor_parallel_size * a.pipeline_parallel_size // max(a.nnodes, 1)
+    return a.data_parallel_rank * per_node + local_rank
+
+
 def rank_backend(a: EngineArgs, local_rank: int):
-    """The backend on this rank's device: ``<type>:<index>`` on an accelerator without --device,
-    the index counting this replica's ranks after the earlier data-parallel replicas'."""
+    """The backend on this rank's device: ``<type>:<device_index>`` on an accelerator without --device."""
     backend = get_backend(a.backend, device=a.device)
-    dev = str(backend.device)
-    index = a.data_parallel_rank * a.tensor_parallel_size * a.pipeline_parallel_size // max(a.nnodes, 1) + local_rank
+    dev, index = str(backend.device), device_index(a, local_rank)
     if a.device is None and index and dev in ("cuda", "npu"):
         backend = get_backend(a.backend, device=f"{dev}:{index}")
     return backend
