@@ -68,6 +68,7 @@ def test_a_qwen_moe_config_with_no_experts_has_no_sparse_layer():
            "moe_intermediate_size": 8}
     assert moe_spec(cfg, 4).sparse_layers == frozenset()
     assert moe_spec(cfg | {"num_experts": 4}, 4).sparse_layers == frozenset(range(4))
+    assert moe_spec(cfg | {"num_experts": 1}, 4).sparse_layers == frozenset(range(4))  # one expert is still MoE
 
 
 def test_a_file_of_an_hf_directory_stands_for_the_directory(tmp_path):
