@@ -418,11 +418,42 @@ def test_data_parallel_replicas_behind_one_server(tiny_dirs):
         stop_server(server)
 
 
-@pytest.mark.slow
+def _check_rank_handles(ray) -> None:
+    """`RayRank`: a rank actor watched like a process (poll, wait, kill, exit codes)."""
+    from infer.core.ray_executor import RayRank
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def pid(self):
+            return os.getpid()
+
+        def run(self, code, wait_s=0.0):
+            time.sleep(wait_s)
+            if code == "crash":
+                raise RuntimeError("rank failed")
+            return code
+
+    def start(code, wait_s=0.0):
+        actor = Rank.remote()
+        pid = ray.get(actor.pid.remote())
+        return RayRank(actor, actor.run.remote(code, wait_s), pid)
+
+    done = start(3)
+    assert done.wait(60) == 3 and done.poll() == 3 and done.returncode == 3
+    assert start("crash").wait(60) == 1  # an exception in the rank is a failure exit
+    busy = start(0, wait_s=60)
+    assert busy.poll() is None and busy.pid > 0
+    with pytest.raises(subprocess.TimeoutExpired):
+        busy.wait(0.2)
+    busy.kill()
+    assert busy.poll() == -9
+
+
 def test_ray_executor_on_a_local_cluster(tiny_dirs):
-    """Worker ranks as Ray actors on a cluster the test starts (`ray start --head` on
-    127.0.0.1): the tokens one process generates."""
-    pytest.importorskip("ray")
+    """A Ray cluster the test starts (`ray start --head` on 127.0.0.1; one test, so no
+    second cluster runs beside it): rank actors are watched like processes, and worker
+    ranks as Ray actors generate the tokens one process does."""
+    ray = pytest.importorskip("ray")
     from infer.core.distributed import free_port
 
     ray_cli = [str(Path(sys.executable).with_name("ray"))]
@@ -432,6 +463,11 @@ def test_ray_executor_on_a_local_cluster(tiny_dirs):
                            capture_output=True, text=True, timeout=120, env=_env())
     assert start.returncode == 0, start.stderr[-2000:]
     try:
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False, configure_logging=False)
+        try:
+            _check_rank_handles(ray)
+        finally:
+            ray.shutdown()
         engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
         [one] = generate(tiny_dirs["llama"], engine)
         os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"

@@ -57,7 +57,7 @@ TESTS = {
     "infer/core/onnx_export.py": ["tests/test_program_export.py", "tests/test_graph.py"],
     "infer/core/quant_params.py": ["tests/test_quant.py", "tests/test_quant_hf.py",
                                    "tests/test_distributed.py::test_gguf_shards_read_only_their_blocks_and_match_the_whole_tensor"],
-    "infer/core/ray_executor.py": ["tests/test_ray_ranks.py"],
+    "infer/core/ray_executor.py": ["tests/test_distributed.py::test_ray_executor_on_a_local_cluster"],
     "infer/core/models/": ["tests/test_model_logits.py", "tests/test_model_variants.py", "tests/test_loader_edges.py",
                            "tests/test_cache_config.py", "tests/test_moe_models.py", "tests/test_engine.py"],
     "infer/core/loader/": ["tests/test_loader_edges.py", "tests/test_loader.py", "tests/test_gguf_header.py",
