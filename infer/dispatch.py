@@ -14,10 +14,9 @@ With a `DispatchTrace`, every bound call counts which of these served it:
 
 from __future__ import annotations
 
-import time
-
 import functools
 import inspect
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable

@@ -148,10 +148,7 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
     stream, one before the last sends its own on; the last stage's logits go
     to the rank(s) that sample (`DistributedState.share_logits`)."""
     be = runner.backend
-    if step.block_copies:
-        src, dst = (np.array(x, dtype=np.int64) for x in zip(*step.block_copies))
-        for cache in runner.kv_caches:
-            be.copy_blocks(cache, src, dst)
+    copy_blocks(runner, step.block_copies)
     staged = dist is not None and dist.config.pipeline_parallel_size > 1
     carry = None
     if staged and not dist.is_first_stage:
@@ -167,14 +164,23 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
     return dataclasses.replace(out, logits=logits, carry=None)
 
 
+def copy_blocks(runner: ModelRunner, copies) -> None:
+    """The scheduler's copy-on-write block copies, (src, dst) pairs, in every layer's cache."""
+    if copies:
+        src, dst = (np.array(x, dtype=np.int64) for x in zip(*copies))
+        for cache in runner.kv_caches:
+            runner.backend.copy_blocks(cache, src, dst)
+
+
+@dataclass(slots=True)
 class _Launched:
     """A step whose forward has been started: rank 0 of a pipeline has run its stage
-    and will take the logits from the last stage when the step is completed."""
+    and takes the logits (of `logits_shape`) from the last stage when the step completes."""
 
-    __slots__ = ("out", "mi", "forward", "logits_shape")
-
-    def __init__(self, out, mi, forward, logits_shape=None):
-        self.out, self.mi, self.forward, self.logits_shape = out, mi, forward, logits_shape
+    out: SchedulerOutput
+    mi: Any
+    forward: Any
+    logits_shape: tuple[int, int] | None = None
 
 
 def device_index(a: EngineArgs, local_rank: int) -> int:
@@ -276,18 +282,25 @@ class LLMEngine:
         self._to_workers(("release",))
         self.runner.release_kv_caches()
 
-    def _execute(self, step: StepInput):
-        """One step's forward on every rank, to the end: the logits are on this rank."""
+    def _execute(self, step: StepInput, wait_logits: bool = True):
+        """One step's forward on every rank. The logits end up on this rank, except
+        with ``wait_logits=False`` on rank 0 of an mp pipeline, where they are None
+        until `_recv_logits` takes them from the last stage."""
         self._to_workers(("step", step))
         if self.dist is None:
             return execute_step(self.runner, step)
         try:
             out = execute_step(self.runner, step, self.dist)
-            if out.logits is None:  # rank 0 of an mp pipeline: the last stage sends them
-                out = dataclasses.replace(out, logits=self.dist.recv_logits(
-                    self.backend, (len(step.sample_rows), self.runner.config.vocab_size)))
-            return out
         except RuntimeError as exc:  # a collective whose peer died or timed out
+            raise self.dist.lost(exc) from exc
+        if out.logits is None and wait_logits:
+            out = dataclasses.replace(out, logits=self._recv_logits((len(step.sample_rows), self.vocab_size)))
+        return out
+
+    def _recv_logits(self, shape: tuple[int, int]):
+        try:
+            return self.dist.recv_logits(self.backend, shape)
+        except RuntimeError as exc:
             raise self.dist.lost(exc) from exc
 
     def shutdown(self) -> None:
@@ -510,10 +523,7 @@ class LLMEngine:
         graphs, meta = self.decode_graphs, mi.attn_metadata
         copies = tuple(out.block_copies)
         if graphs is not None and graphs.can_replay(meta):
-            if copies:
-                src, dst = (np.array(x, dtype=np.int64) for x in zip(*copies))
-                for cache in self.runner.kv_caches:
-                    be.copy_blocks(cache, src, dst)
+            copy_blocks(self.runner, copies)
             forward = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's logits
             if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
                 forward = dataclasses.replace(forward, logits=forward.logits[be.asarray(mi.logits_indices)])
@@ -521,22 +531,12 @@ class LLMEngine:
         step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies)
         if not self._pipelined:
             return _Launched(out, mi, self._execute(step))
-        self._to_workers(("step", step))
-        try:
-            forward = execute_step(self.runner, step, self.dist)
-        except RuntimeError as exc:
-            raise self.dist.lost(exc) from exc
-        return _Launched(out, mi, forward, (len(mi.logits_indices), self.vocab_size))
+        return _Launched(out, mi, self._execute(step, wait_logits=False), (len(mi.logits_indices), self.vocab_size))
 
     def _complete(self, launched: _Launched) -> tuple[StepOutput, StepResult]:
         """Sampling of a launched step, handed to the scheduler."""
         be, out, mi, forward = self.backend, launched.out, launched.mi, launched.forward
-        logits = forward.logits
-        if launched.logits_shape is not None:
-            try:
-                logits = self.dist.recv_logits(be, launched.logits_shape)
-            except RuntimeError as exc:
-                raise self.dist.lost(exc) from exc
+        logits = forward.logits if launched.logits_shape is None else self._recv_logits(launched.logits_shape)
         if self.expert_load is not None:
             self.expert_load.record(forward.expert_counts)
         rows, comps = [], []

@@ -3,9 +3,11 @@
 Each node expands into primitives unless the backend says it runs the whole
 node itself (`Backend.fuses`), in which case one ``fused_<op>`` call stands
 for it. Besides the primitives, the program uses view ops every tensor type
-has (``split`` columns, ``reshape``, ``rows`` = integer row gather, and on a
-tensor-parallel rank ``vocab_ids`` / ``mask_rows``, the id range check of a
-vocabulary shard); they move no arithmetic and map to standard ONNX ops.
+has (``split`` columns, ``reshape``, ``rows`` = integer row gather); they move
+no arithmetic and map to standard ONNX ops. A tensor-parallel rank adds two
+more made of elementwise tensor operators every tensor type has, the id range
+check of a vocabulary shard (``vocab_ids``: local ids and a mask; ``mask_rows``:
+zero the masked rows), exported as ops of the ``infer`` domain.
 
 On a tensor-parallel graph (`core/parallel.py`) every node in `Graph.partial`
 is followed by an ``all_reduce`` over the ``tp`` group, and lm_head's logits
