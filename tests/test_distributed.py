@@ -546,3 +546,51 @@ def test_each_rank_of_each_replica_gets_its_own_accelerator():
     b = EngineArgs(tensor_parallel_size=8, nnodes=2, node_rank=1)
     assert [device_index(b, r) for r in range(4)] == [0, 1, 2, 3]
     assert device_index(EngineArgs(data_parallel_rank=3), 0) == 3
+
+
+class _Replica:
+    """An AsyncLLM stand-in: streams two outputs per request and records aborts."""
+
+    def __init__(self):
+        self.aborted: list[str] = []
+        self.failure = None
+        self.dead = None
+
+    async def generate(self, request_id, prompt, params, priority=0):
+        async def stream():
+            for i in range(2):
+                yield (request_id, i)
+        return stream()
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_data_parallel_routing_and_abort():
+    """Requests spread to the least loaded replica; an abort reaches the replica that
+    owns the request only, and an id never routed (or already finished) is aborted on
+    every replica without error."""
+    import asyncio
+
+    from infer.core.data_parallel import DataParallelLLM
+
+    replicas = [_Replica(), _Replica()]
+    dp = DataParallelLLM(replicas)
+
+    async def run():
+        a = await dp.generate("a", "p", None)
+        b = await dp.generate("b", "p", None)
+        assert dp.in_flight == [1, 1] and dp._owner == {"a": 0, "b": 1}
+        dp.abort("b")
+        assert replicas[0].aborted == [] and replicas[1].aborted == ["b"]
+        assert [o async for o in a] == [("a", 0), ("a", 1)]
+        assert [o async for o in b] == [("b", 0), ("b", 1)]
+        assert dp.in_flight == [0, 0] and dp._owner == {}
+        dp.abort("never-routed")
+        assert replicas[0].aborted == ["never-routed"] and replicas[1].aborted == ["b", "never-routed"]
+        replicas[0].failure = "down"
+        c = await dp.generate("c", "p", None)
+        assert dp._owner == {"c": 1}  # a failed replica gets no new work
+        await c.aclose()
+
+    asyncio.run(run())
