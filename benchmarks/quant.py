@@ -32,13 +32,14 @@ import time
 
 import numpy as np
 
-import infer  # noqa: F401  (before torch: its OpenMP settings, see infer/__init__.py)
-import torch
+import torch  # first, as a user's script does (the "infer first" row imports infer before it)
 
 H, I, V = 576, 1536, 49152
 SHAPES = {"qkv": (960, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I), "lm_head": (V, H)}
 CONFIGS = {"fp32 dequantized": ("none", "float32"), "bf16 dequantized": ("none", "bfloat16"),
-           "Q4_1 kept, fp32 act": ("auto", "float32"), "Q4_1 kept, bf16 act": ("auto", "bfloat16")}
+           "Q4_1 kept, fp32 act": ("auto", "float32"), "Q4_1 kept, bf16 act": ("auto", "bfloat16"),
+           # the same run in an interpreter that imports infer before torch: speed must not depend on it
+           "Q4_1 kept, bf16, infer 1st": ("auto", "bfloat16", "infer first")}
 
 
 def _median_ms(fn, min_s: float = 0.3) -> float:
@@ -152,10 +153,11 @@ def kv_one(kv_cache_dtype: str, requests: int, tokens: int) -> dict:
 KV_BUDGET = 64 << 20  # bytes of KV cache, all layers: 16 requests fit with either cache
 
 
-def _in_child(call: str, label: str) -> dict | None:
-    """`quant.<call>` run in a fresh interpreter (so its peak RSS is its own): its JSON row, or None."""
-    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import quant; " \
-           f"print(json.dumps(quant.{call}))"
+def _in_child(call: str, label: str, infer_first: bool = False) -> dict | None:
+    """`quant.<call>` run in a fresh interpreter (so its peak RSS is its own): its JSON row, or None.
+    The interpreter imports torch first (this module does), or infer when `infer_first`."""
+    code = f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); " \
+           f"{'import infer.core.llm; ' if infer_first else ''}import quant; print(json.dumps(quant.{call}))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if res.returncode:
         print(f"{label}: failed\n{res.stderr[-2000:]}")
@@ -184,8 +186,8 @@ def kv_table(requests: int, tokens: int) -> list[dict]:
     return rows
 
 
-def _decode_row(label: str, quant: str, dtype: str, tokens: int, gguf_mb: float) -> dict | None:
-    row = _in_child(f"decode_one({quant!r}, {dtype!r}, {tokens})", label)
+def _decode_row(label: str, quant: str, dtype: str, tokens: int, gguf_mb: float, order: str = "torch first") -> dict | None:
+    row = _in_child(f"decode_one({quant!r}, {dtype!r}, {tokens})", label, infer_first=order == "infer first")
     if row is None:
         return None
     row |= {"config": label, "gguf_mb": gguf_mb}
@@ -206,8 +208,8 @@ def decode_table(tokens: int, rounds: int = 1, llama_python: str | None = None) 
     for r in range(rounds):
         if rounds > 1:
             print(f"-- round {r + 1} of {rounds} (load average {os.getloadavg()[0]:.2f})", flush=True)
-        for label, (quant, dtype) in CONFIGS.items():
-            if row := _decode_row(label, quant, dtype, tokens, gguf_mb):
+        for label, config in CONFIGS.items():
+            if row := _decode_row(label, config[0], config[1], tokens, gguf_mb, *config[2:]):
                 rows.append(row | {"round": r})
         if llama_python and (row := llama_cpp_row(llama_python, tokens)):
             rows.append(row | {"round": r})

@@ -7,10 +7,15 @@ mean / median / p99 of TTFT, TPOT, ITL and end-to-end latency.
     # launch `infer serve` for the run, then stop it
     python benchmarks/serving.py --launch "--model smollm2 --backend torch" --request-rate 4 --json out.json --png out.png
 
-Prompts are random token ids (vLLM's "random" dataset) sent to /v1/completions
-with ignore_eos, so every request has exactly --input-len prompt and
---output-len output tokens. Arrivals are Poisson at --request-rate (inf: all
-at once), at most --max-concurrency in flight.
+Prompts are text (vLLM's "random" dataset: --input-len random token ids of
+the --tokenizer model, decoded; ids whose text does not survive a round trip
+are not drawn), sent to /v1/completions with ignore_eos and the end-of-text
+token's logit_bias at -100, so any OpenAI-compatible server (llama.cpp's,
+vLLM's, infer's) generates --output-len tokens. ``--dataset random-ids`` sends
+the ids themselves (servers that take token-id prompts only). Output tokens are
+the server's usage counts where it streams them, else the streamed chunks.
+Arrivals are Poisson at --request-rate (inf: all at once), at most
+--max-concurrency in flight.
 """
 
 from __future__ import annotations
@@ -46,14 +51,18 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-async def one_request(http: httpx.AsyncClient, model: str | None, prompt: list[int], output_len: int) -> RequestResult:
+async def one_request(http: httpx.AsyncClient, model: str | None, prompt: list[int] | str, output_len: int,
+                      eos: int | None = None) -> RequestResult:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if eos is not None:
+        body["logit_bias"] = {str(eos): -100}
     if model:
         body["model"] = model
     start = time.perf_counter()
     res = RequestResult(ok=False, start=start)
     last = None
+    chunks = 0
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -70,33 +79,49 @@ async def one_request(http: httpx.AsyncClient, model: str | None, prompt: list[i
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk["choices"] and chunk["choices"][0]["text"]:
+                    chunks += 1
                     if last is None:
                         res.ttft = now - start
                     else:
                         res.itl.append(now - last)
                     last = now
         res.e2e = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks
         res.ok = res.output_tokens > 0
     except httpx.HTTPError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     return res
 
 
-async def run(args: argparse.Namespace, base_url: str) -> tuple[list[RequestResult], float]:
+def make_prompts(args: argparse.Namespace) -> tuple[list, int | None]:
+    """The prompts and the end-of-text id to bias against (None for token-id prompts)."""
     rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(args.min_token_id, args.max_token_id, args.input_len).tolist() for _ in range(args.num_prompts)]
+    if args.dataset == "random-ids":
+        return [rng.integers(args.min_token_id, args.max_token_id, args.input_len).tolist()
+                for _ in range(args.num_prompts)], None
+    from infer.core.loader import open_checkpoint
+
+    tok = open_checkpoint(args.tokenizer).load_tokenizer()
+    pool = np.arange(args.min_token_id, min(args.max_token_id, len(tok)))
+    clean = [i for i in pool.tolist() if tok.encode(tok.decode([i]), add_special_tokens=False) == [i]]
+    return [tok.decode(rng.choice(clean, args.input_len).tolist()) for _ in range(args.num_prompts)], tok.eos_token_id
+
+
+async def run(args: argparse.Namespace, base_url: str) -> tuple[list[RequestResult], float]:
+    prompts, eos = make_prompts(args)
+    rng = np.random.default_rng(args.seed + 1)
     gaps = rng.exponential(1.0 / args.request_rate, args.num_prompts) if args.request_rate != float("inf") else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout, limits=limits) as http:
-        warm = await one_request(http, args.model, prompts[0], 4)
+        warm = await one_request(http, args.model, prompts[0], 4, eos)
         if not warm.ok:
             raise SystemExit(f"warm-up request failed: {warm.error}")
         gate = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
 
         async def limited(prompt):
             async with gate:
-                return await one_request(http, args.model, prompt, args.output_len)
+                return await one_request(http, args.model, prompt, args.output_len, eos)
 
         tasks = []
         t0 = time.perf_counter()
@@ -175,6 +200,22 @@ def launch(serve_args: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"infer serve exited with {proc.wait()} before listening")
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--dataset", choices=("random-text", "random-ids"), default="random-text")
+    p.add_argument("--tokenizer", default="smollm2", help="model whose tokenizer makes the text prompts")
+    p.add_argument("--min-token-id", type=int, default=100, help="random prompt ids are drawn from [min, max)")
+    p.add_argument("--max-token-id", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", default=None, help="write config, summary and per-request results here")
+    p.add_argument("--png", default=None, help="write latency CDFs here")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = p.add_mutually_exclusive_group(required=True)
@@ -182,17 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--launch", metavar="SERVE_ARGS", help="start `infer serve SERVE_ARGS` for the run")
     p.add_argument("--model", default=None, help="served model name (default: the server's first)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--min-token-id", type=int, default=100, help="random prompt ids are drawn from [min, max)")
-    p.add_argument("--max-token-id", type=int, default=10000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--json", default=None, help="write config, summary and per-request results here")
-    p.add_argument("--png", default=None, help="write latency CDFs here")
+    add_workload_args(p)
     args = p.parse_args(argv)
     proc, base_url = launch(args.launch) if args.launch else (None, args.base_url)
     try:

@@ -100,10 +100,13 @@ def cmd_backends(args: argparse.Namespace) -> int:
                       cls.kv_cache_layout, ", ".join(cls.dtypes), cls.dist_backend, summary)
     console.print(table)
     if "torch" in reg.backends:
-        from .backends.torch_native import native
+        from .backends.torch_native import native, quant_linear
 
         console.print("torch CPU kernels (rms_norm, rotary, silu_and_mul, kv_write, attention, int4 and Q8_0 linear, "
                       f"fused decode attention block and MLP; fp8 KV): {escape(native.status())}")
+        console.print("torch kept-quantized weights: batched steps past the quantized kernels' rows use dequantized "
+                      f"copies of up to {quant_linear.DENSE_COPY_BYTES / 2**20:.0f} MiB in all (INFER_DEQUANT_CACHE_MB; "
+                      "past it, tiles dequantized at each call)")
     if args.coverage and matrix:
         cov_table = Table(title="primitive coverage (provider of each primitive)", title_justify="left")
         cov_table.add_column("primitive")

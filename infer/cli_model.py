@@ -31,7 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
                    help="auto: keep a quantized checkpoint (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8) quantized with a 16-bit "
                         "--dtype (dequantized for float32); "
-                        "none: dequantize it to --dtype; fp8: quantize a float model's projections to fp8 at load")
+                        "none: dequantize it to --dtype; fp8: quantize a float model's projections to fp8 at load. "
+                        "On CPU, steps with more rows than the quantized kernels take use dequantized copies "
+                        "(up to $INFER_DEQUANT_CACHE_MB, default 1024 MiB, in all)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: KV cache as e4m3 (1 byte a value: 2x the tokens of a 16-bit cache)")
     p.add_argument("--enforce-eager", action="store_true",

@@ -594,3 +594,39 @@ def test_data_parallel_routing_and_abort():
         await c.aclose()
 
     asyncio.run(run())
+
+
+def test_fp8_shards_keep_a_per_tensor_scale_and_cut_per_channel_ones():
+    """Rows of an fp8 weight: a per-tensor scale ([1]) goes whole to every shard (also past
+    row 0), per-channel scales are cut with the rows; columns keep the scales."""
+    from infer.core.quant_params import slice_handle
+    from infer.primitives.dequant import dequantize
+    from infer.primitives.types import Fp8Weight
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 0x7F, (6, 8), dtype=np.uint8)  # positive finite e4m3 codes
+    for scales in (np.array([0.5], np.float32), rng.random(6).astype(np.float32) + 0.5):
+        w = Fp8Weight(q, scales)
+        whole = dequantize(w)
+        for axis, lo, hi in ((0, 2, 5), (0, 0, 3), (1, 4, 8)):
+            cut = (slice(None),) * axis + (slice(lo, hi),)
+            np.testing.assert_array_equal(dequantize(slice_handle(w, axis, lo, hi)), whole[cut])
+
+
+def test_headless_is_refused_on_node_0_and_without_mp(monkeypatch):
+    """`--headless` is for nodes 1.. of a multi-node mp job; elsewhere it says so before starting anything."""
+    from infer.core import distributed, worker
+    from infer.core.engine import EngineArgs
+
+    def started(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(distributed, "_spawn_worker", started)
+    monkeypatch.setattr(worker, "main", started)
+    where = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=29999)
+    for args in (EngineArgs(**where, node_rank=0),
+                 EngineArgs(**where, node_rank=1, distributed_executor_backend="ray")):
+        with pytest.raises(ValueError, match="--headless is for the other nodes"):
+            worker.run_headless(args)
+    with pytest.raises(AssertionError, match="a rank was started"):  # node 1 of an mp job does start its ranks
+        worker.run_headless(EngineArgs(**where, node_rank=1))

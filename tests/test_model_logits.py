@@ -21,3 +21,35 @@ def test_logits_match_transformers_through_prefill_chunks_and_decode(kind, backe
     backend = get_backend(backend_name)
     runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), weights, "float32", 256)
     assert_logits_match_through_chunks(model, runner, backend, config["vocab_size"])
+
+
+def test_the_first_forward_after_each_kv_allocation_validates_its_calls(monkeypatch):
+    """The first step after the caches are (re)allocated runs every primitive through its argument
+    checks (a backend's shape mistake is named there); later steps skip them."""
+    import numpy as np
+
+    from infer import dispatch
+    from infer.primitives.types import AttentionMetadata
+
+    checked = []
+    real = dispatch.CHECKS["linear"]
+    monkeypatch.setitem(dispatch.CHECKS, "linear", lambda *a, **k: (checked.append(1), real(*a, **k))[1])
+    _, config, weights = make_model("llama3")
+    backend = get_backend("torch")
+    runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), weights, "float32", 256)
+    per_forward = sum(c.primitive == "linear" for c in runner.program.primitive_calls())
+    meta = AttentionMetadata(np.array([0, 1], np.int32), np.array([1], np.int32), np.zeros((1, 1), np.int32),
+                             np.zeros(1, np.int64), 1, 1, 16)
+
+    def forward():
+        runner.forward(backend.asarray(np.array([3])), backend.asarray(np.array([0])), backend.asarray(np.array([0])),
+                       runner.prepare_metadata(meta))
+
+    for _ in range(2):
+        runner.allocate_kv_caches(num_blocks=2, block_size=16)
+        checked.clear()
+        forward()
+        assert len(checked) == per_forward > 0
+        forward()
+        forward()
+        assert len(checked) == per_forward

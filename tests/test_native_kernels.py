@@ -64,6 +64,10 @@ def _qkv(t, hq, hk, d, dtype, seed=0):
 
 def test_the_kernels_are_built_and_cached():
     assert native.status().startswith("built (")
+    # linked against the OpenMP runtime torch loaded, and no second one
+    assert native.status().endswith("torch's OpenMP threads)") and native.openmp_runtime()
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libomp" in line}
+    assert runtimes == {native.openmp_runtime()}
     path = native._library_path()
     assert path.exists() and path.parent == native.cache_dir()
     native._build(path)  # already there: nothing is rebuilt
@@ -417,7 +421,8 @@ def test_scales_for_a_model_dtype_cache_are_refused():
 
 
 def test_a_forked_child_runs_the_split_gemvs_on_its_own_threads():
-    """The parent's thread pool does not survive fork; the child must not wait on it forever."""
+    """The parent's threads (its OpenMP team, or the kernels' own pool) do not survive fork;
+    the child must not wait on them forever."""
     code = """
 import os, torch
 from infer.backends.torch_native.native import ops as nops
@@ -440,7 +445,8 @@ print(os.waitstatus_to_exitcode(status))
 
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 baseline build")
 def test_the_portable_build_without_avx512_matches_the_torch_ops(tmp_path):
-    """The loops a CPU without AVX-512 runs (dot products, the Q8_0 and int4 GEMVs) give the torch ops' results."""
+    """The loops a CPU without AVX-512 runs (dot products, the Q8_0 and int4 GEMVs) give the torch ops'
+    results; built without OpenMP, the GEMVs split over the kernels' own thread pool."""
     code = """
 import torch
 from infer.backends.torch_native import native, ops
@@ -448,7 +454,7 @@ from infer.backends.torch_native.native import ops as nops
 from test_torch_backend import BATCHES, paged_batch, BACKEND
 from infer.dispatch import Ops
 OPS = Ops(BACKEND, validate=False)
-assert native.status().startswith("built"), native.status()
+assert native.status().startswith("built") and native.status().endswith("own thread pool)"), native.status()
 torch.manual_seed(0)
 x, w = torch.randn(3, 576), torch.rand(576) + 0.5
 got = OPS.rms_norm(x, w, 1e-6)
@@ -472,7 +478,7 @@ torch.testing.assert_close(y.double(), x[:, :96].double() @ (q.double() * s.doub
 torch.testing.assert_close(y4.double(), x[:, :96].double() @ w4.t(), rtol=1e-5, atol=1e-5)
 print("ok")
 """
-    env = {**os.environ, "INFER_NATIVE_MARCH": "x86-64", "INFER_CACHE_DIR": str(tmp_path),
+    env = {**os.environ, "INFER_NATIVE_MARCH": "x86-64", "INFER_NATIVE_OPENMP": "0", "INFER_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.path.dirname(__file__)}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -8,6 +8,8 @@ fp32. Timings are reported by benchmarks/primitives.py, never asserted here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +146,55 @@ def test_primitives_benchmark_reports_instead_of_crashing(tmp_path, monkeypatch)
     assert all(r["status"] == "ok" and r["gbs"] > 0 and r["provider"] == "torch" for r in linear)
     assert any(r["primitive"] == "all_reduce" and r["status"].startswith("skipped") for r in rows)
     assert any(r["backend"] == "nope" and r["status"].startswith("unavailable") for r in rows)
+
+
+# -- kept-quantized weights past the quantized kernels' rows --------------------------------------
+
+def _int4(n, k, seed=0):
+    from infer.primitives.types import Int4GroupWeight
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, offsets = torch.rand(n, k // 32, generator=g) / 8, torch.randn(n, k // 32, generator=g) / 8
+    return Int4GroupWeight(q, scales, offsets, 32, bias=torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_rows_use_one_kept_dense_copy_within_the_budget(monkeypatch, dtype):
+    """Past the quantized kernels' rows a weight is dequantized once (a copy in the activations'
+    precision, kept for the next steps, freed with the weight), not at every call; with no budget
+    left it is multiplied in tiles. Both give the dequantized weight's product."""
+    import gc
+
+    from infer.backends.torch_native import quant_linear as Q
+    from infer.primitives.dequant import dequantize
+
+    copies = Q._DenseCopies()
+    monkeypatch.setattr(Q, "DENSE_COPIES", copies)
+    calls = []
+    real = Q.dequantize
+    monkeypatch.setattr(Q, "dequantize", lambda *a, **k: (calls.append(a[1:]), real(*a, **k))[1])
+    w = Q.prepare_weight(_with_dtype(_int4(64, 128), dtype))
+    x = torch.randn(Q.INT4_KERNEL_MAX_ROWS + 40, 128).to(DTYPES[dtype])
+    want = x.double() @ torch.from_numpy(dequantize(_np(w))).double().t() + w.bias.double()
+    for _ in range(3):
+        torch.testing.assert_close(Q.linear(x, w).double(), want, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4)
+    assert calls == [()]  # the whole weight, once
+    assert copies.held == 64 * 128 * (4 if dtype == "float32" else 2)
+    monkeypatch.setattr(Q, "DENSE_COPY_BYTES", copies.held)  # full: another weight gets tiles
+    other = Q.prepare_weight(_with_dtype(_int4(64, 128, seed=1), dtype))
+    Q.linear(x, other)
+    Q.linear(x, other)
+    assert len(copies.copies) == 1 and len(calls) == 1 + 2 * 1  # a tile (of 64 rows) per call
+    del w
+    gc.collect()
+    assert copies.held == 0 and not copies.copies
+
+
+def _np(w):
+    return dataclasses.replace(w, qweight=w.qweight.numpy(), scales=w.scales.numpy(), offsets=w.offsets.numpy(),
+                               bias=None, prepared=None)
+
+
+def _with_dtype(w, dtype):
+    return dataclasses.replace(w, dtype=dtype)

@@ -155,6 +155,11 @@ _GGUF_CHUNK = ("the chunk size trades peak memory against the number of dequanti
 _GGUF_STEP = ("rows per chunk a third more or a fifth fewer (or at least 2): the same weights, temporaries within "
               "the bound test_gguf_reads_hold_one_row_chunk_of_temporaries sets")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("infer/core/models/moe.py", "shared_gate: bool = False", "shared_gate: bool = True"):
+        "the default is read only with a shared expert, and moe_spec passes shared_gate whenever it makes one",
+    ("infer/core/expert_load.py", "return np.where(mean > 0, counts.max(axis=1) / mean, np.nan)",
+     "return np.where(mean >= 0, counts.max(axis=1) / mean, np.nan)"):
+        "counts are never negative, so a zero mean has a zero max and 0/0 is nan either way",
     ("infer/core/llm.py", "use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:",
      "use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:"):
         "the progress bar's default: display on stderr only",

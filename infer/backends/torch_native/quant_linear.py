@@ -32,12 +32,22 @@ from `python benchmarks/quant.py --part linear --threads 1`):
   behind at T=64.
 
 So: a few rows take the native GEMVs; half precision takes the packed kernels
-up to 160 rows and bf16 tiles beyond; float32 takes exact tiles past 32 rows.
+up to 160 rows and float32 the native GEMM up to 32. Past those limits (a
+prefill chunk, or a batch of decodes with a prompt chunk beside them) the
+weight is multiplied dense: a dequantized copy in the activations' precision
+(bf16, else fp32) is made at the first such call and kept for the next ones, so
+a batched step does not dequantize every weight again; the copies together
+stay within DENSE_COPY_BYTES (``$INFER_DEQUANT_CACHE_MB``, default 1024; 0
+keeps none), and a weight past the budget is dequantized in tiles at each call
+(no full float copy of it ever exists).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +63,7 @@ INT8_GROUP_KERNEL_MAX_ROWS = 8
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 TILE_ELEMENTS = 1 << 20  # weights dequantized at once: 4 MiB of float32
 _HALF = (torch.bfloat16, torch.float16)
+DENSE_COPY_BYTES = int(float(os.environ.get("INFER_DEQUANT_CACHE_MB", "1024")) * 2**20)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -148,6 +159,53 @@ def _linear_in_tiles(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+class _DenseCopies:
+    """Dequantized copies of quantized weights, keyed by the weight's storage and the copy's
+    dtype, freed with the weight (a finalizer on its qweight tensor); `held` bytes in all."""
+
+    def __init__(self):
+        self.copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.held = 0
+        self.lock = threading.Lock()
+
+    def get(self, w: WeightHandle, dtype: torch.dtype) -> torch.Tensor | None:
+        key = (id(w.qweight), dtype)
+        dense = self.copies.get(key)
+        if dense is not None:
+            return dense
+        size = w.out_features * w.in_features * torch.finfo(dtype).bits // 8
+        with self.lock:
+            if self.held + size > DENSE_COPY_BYTES:
+                return None
+            self.held += size
+        try:
+            dense = dequantize(w).to(dtype)
+        except BaseException:
+            self._drop(key, size)
+            raise
+        self.copies[key] = dense
+        weakref.finalize(w.qweight, self._drop, key, size)
+        return dense
+
+    def _drop(self, key, size: int) -> None:
+        with self.lock:
+            self.copies.pop(key, None)
+            self.held -= size
+
+
+DENSE_COPIES = _DenseCopies()
+
+
+def _linear_dense(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
+    """Rows past the quantized kernels' limits: the kept dense copy if the budget allows, else tiles."""
+    cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    dense = DENSE_COPIES.get(w, cdt) if isinstance(w, (Int4GroupWeight, Int8GroupWeight, Fp8Weight)) else None
+    if dense is None:
+        return _linear_in_tiles(x, w)
+    y = torch.nn.functional.linear(x.to(cdt), dense, None if w.bias is None else w.bias.to(cdt))
+    return y.to(x.dtype)
+
+
 def _int8_grouped(x: torch.Tensor, w: Int8GroupWeight, p: Int8Grouped) -> torch.Tensor:
     xg = x.view(x.shape[0], -1, w.group_size)
     y = torch.zeros(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
@@ -170,7 +228,7 @@ def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
             return y if w.bias is None else y + w.bias.to(x.dtype)
     if isinstance(p, Int8Grouped) and t <= INT8_GROUP_KERNEL_MAX_ROWS and x.dtype == p.scales.dtype:
         return _int8_grouped(x.contiguous(), w, p)
-    return _linear_in_tiles(x, w)
+    return _linear_dense(x, w)
 
 
 def embedding(ids: torch.Tensor, table: WeightHandle) -> torch.Tensor:

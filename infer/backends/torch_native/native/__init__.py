@@ -11,6 +11,12 @@ GIL during each call).
 ``INFER_NATIVE=0`` turns them off; so does a missing or failing compiler, in
 which case `status()` says why and the torch ops run instead.
 ``INFER_NATIVE_MARCH`` picks the target instruction set (default: the host's).
+
+The kernels split work over the OpenMP runtime torch loaded (the library links
+that very file), so they run on torch's own threads: their speed then does not
+depend on whether torch or infer was imported first or on the user's OpenMP
+settings. Where no such runtime is found (or ``INFER_NATIVE_OPENMP=0``) they
+use a thread pool of their own.
 """
 
 from __future__ import annotations
@@ -57,6 +63,26 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def openmp_runtime() -> str | None:
+    """The OpenMP runtime library torch loaded into this process (libgomp, libomp or
+    libiomp), found in the process's memory map; None if there is none or
+    ``INFER_NATIVE_OPENMP=0``."""
+    import torch  # noqa: F401  (loads the runtime)
+
+    if os.environ.get("INFER_NATIVE_OPENMP", "1") == "0":
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        path = fields[5] if len(fields) == 6 else ""
+        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")) and ".so" in path:
+            return path
+    return None
+
+
 def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC", "cc"))
 
@@ -64,7 +90,8 @@ def _compiler() -> list[str]:
 def _library_path() -> Path:
     cc = _compiler()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(flags()), version, platform.machine())).encode())
+    parts = (SOURCE.read_text(), " ".join(flags()), version, platform.machine(), openmp_runtime() or "")
+    key = hashlib.sha256("\0".join(parts).encode())
     return cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -77,13 +104,29 @@ def _build(path: Path) -> None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            res = subprocess.run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed:\n{res.stderr.strip()}")
+            runtime = openmp_runtime()
+            if runtime is None:
+                _run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"])
+            else:
+                # Compiled with -fopenmp but linked against torch's runtime file only (a link
+                # step with -fopenmp would add the system's libgomp, maybe a second runtime).
+                obj = tmp + ".o"
+                try:
+                    _run([*_compiler(), *flags(), "-fopenmp", "-DINFER_OPENMP", "-c", "-o", obj, str(SOURCE)])
+                    _run([*_compiler(), *flags(), "-o", tmp, obj, runtime, "-lm"])
+                finally:
+                    if os.path.exists(obj):
+                        os.unlink(obj)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _run(cmd: list[str]) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{res.stderr.strip()}")
 
 
 @functools.cache
@@ -103,7 +146,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.infer_kv_write.argtypes = (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I)
     lib.infer_kv_write.restype = ctypes.c_int
     lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
-    return lib, f"built ({path})"
+    lib.infer_openmp.argtypes, lib.infer_openmp.restype = (), ctypes.c_int
+    threads = "torch's OpenMP threads" if lib.infer_openmp() else "own thread pool"
+    return lib, f"built ({path}; {threads})"
 
 
 def library() -> ctypes.CDLL | None:

@@ -92,8 +92,39 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* ---- a thread pool for the GEMVs and attention -----------------------------------------
- * A decode step runs ~120 GEMVs of 10-60 us each: handing each half to a Python
+/* ---- parallel parts: torch's OpenMP team, or a pool of our own ---------------------------
+ * pool_run(task, args, parts) runs task(args, p, n) for p = 0..n-1 (n <= parts), part 0
+ * on the calling thread, and returns when all are done.
+ *
+ * Built with INFER_OPENMP (native/__init__.py links the OpenMP runtime torch loaded),
+ * the parts run on the calling thread's OpenMP team: the same threads that run torch's
+ * ops, so the kernels and torch never compete for a core, and the team's spin-wait after
+ * each torch op (libgomp's GOMP_SPINCOUNT, whatever the user or import order set) is a
+ * thread ready for the next part instead of one that starves another pool.
+ */
+#ifdef INFER_OPENMP
+#include <omp.h>
+typedef void (*pool_task)(const void *args, int64_t part, int64_t parts);
+
+/* libgomp's team does not survive fork: a forked child that enters a parallel region
+ * waits forever (torch's own ops do). The kernels run serially there instead. */
+static int pool_forked = 0;
+static void pool_after_fork(void) { pool_forked = 1; }
+__attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+static void pool_run(pool_task task, const void *args, int64_t parts) {
+    if (parts > 1 && !pool_forked && !omp_in_parallel()) {
+#pragma omp parallel num_threads((int)parts)
+        task(args, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
+    task(args, 0, 1);
+}
+
+int infer_openmp(void) { return 1; }
+#else
+/* Without OpenMP:
+ * a decode step runs ~120 GEMVs of 10-60 us each: handing each half to a Python
  * thread costs as much as the work. Workers here wait for the next job spinning
  * (with the pause hint, yielding to any runnable thread now and then: without the
  * yields SmolLM2's decode step took 2 ms longer) for POOL_SPIN_NS, then sleep on a
@@ -232,6 +263,9 @@ static void pool_run(pool_task task, const void *args, int64_t parts) {
     }
     task(args, 0, 1);
 }
+
+int infer_openmp(void) { return 0; }
+#endif
 
 /* ---- rms_norm, optionally after a residual add --------------------------------
  * res_out = x + res (rounded to the element type), y = res_out * rsqrt(mean(res_out^2) + eps) * w.

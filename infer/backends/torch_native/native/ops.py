@@ -38,6 +38,14 @@ def _lib(*tensors: torch.Tensor):
 _FUNCTIONS: dict = {}
 
 
+def _openmp(lib) -> bool:
+    """Whether the kernels split work over torch's own OpenMP threads."""
+    on = _FUNCTIONS.get("openmp")
+    if on is None:
+        on = _FUNCTIONS["openmp"] = bool(lib.infer_openmp())
+    return on
+
+
 def _fn(lib, name: str, dtype: torch.dtype):
     """The typed kernel ``infer_<name>_<f32|bf16>`` (looked up once)."""
     key = (name, dtype)
@@ -148,10 +156,10 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller
     plans it once a step). An fp8 (uint8) cache takes `kv_scales`.
 
-    One thread: between torch ops that use OpenMP, the kernels' pool and torch's spinning
-    OpenMP threads take each other's cores (dense float32 decode measured slower with the
-    attention split across 2 threads: docs/backends/torch-measurements.md).
-    `attention_block`, where no torch op runs between the kernels, splits it."""
+    Split over torch's threads when the kernels run on its OpenMP team; with their own pool,
+    one thread: between torch ops, that pool and torch's spinning OpenMP threads take each
+    other's cores (dense float32 decode measured slower with the attention split across 2
+    threads: docs/backends/torch-measurements.md)."""
     lib = _lib(q)
     fp8 = kv_cache.dtype == torch.uint8
     if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
@@ -174,7 +182,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
               meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale),
-              1),
+              torch.get_num_threads() if _openmp(lib) else 1),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
 

@@ -1,0 +1,55 @@
+"""The speed of the torch backend must not depend on whether the user imports torch or infer
+first, or on their OpenMP settings: the same kernels run the same way in every case (the
+native kernels share torch's OpenMP threads; nothing is set only when infer loads first).
+The speeds themselves are in `benchmarks/import_order.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import require_smollm2
+
+CODE = """
+import json, os, sys
+if sys.argv[1] == "torch-first":
+    import torch
+    from infer import LLM, SamplingParams
+else:
+    from infer import LLM, SamplingParams
+    import torch
+from infer.backends.torch_native import native
+llm = LLM("smollm2", backend="torch", dtype="bfloat16", trace_dispatch=True, max_num_seqs=1, max_model_len=256)
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+trace = sorted([*k, n] for k, n in llm.engine.dispatch_trace.counts.items())
+runtimes = sorted({l.split()[-1] for l in open("/proc/self/maps") if "libgomp" in l or "libomp" in l})
+print(json.dumps({"trace": trace, "tokens": list(out[0].outputs[0].token_ids), "native": native.status().split("; ")[-1],
+                  "threads": torch.get_num_threads(), "runtimes": runtimes,
+                  "spin": os.environ.get("GOMP_SPINCOUNT")}))
+"""
+
+
+def _run(order: str, env: dict) -> dict:
+    res = subprocess.run([sys.executable, "-c", CODE, order], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_decode_runs_the_same_kernels_whichever_is_imported_first():
+    require_smollm2()
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    runs = {"torch first": _run("torch-first", env), "infer first": _run("infer-first", env),
+            "OMP_NUM_THREADS=2": _run("torch-first", {**env, "OMP_NUM_THREADS": "2"})}
+    first = runs["torch first"]
+    assert first["native"] == "torch's OpenMP threads)"
+    assert len(first["runtimes"]) == 1  # one OpenMP runtime: torch's
+    assert any(impl == "torch:fused" for _, _, impl, _ in first["trace"])  # the fused decode nodes ran
+    for name, run in runs.items():
+        assert run == {**first, "threads": run["threads"]}, name
+    assert runs["infer first"]["threads"] == first["threads"]
+    assert runs["OMP_NUM_THREADS=2"]["threads"] == 2
