@@ -483,3 +483,15 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "ok"
+
+
+def test_a_compiler_without_openmp_builds_the_kernels_with_their_own_pool(tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "no openmp" >&2; exit 1; }; done\n'
+                  'exec cc "$@"\n')
+    cc.chmod(0o755)
+    code = "from infer.backends.torch_native import native; print(native.status())"
+    env = {**os.environ, "CC": str(cc), "INFER_CACHE_DIR": str(tmp_path / "cache")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().startswith("built (") and res.stdout.strip().endswith("; own thread pool)")

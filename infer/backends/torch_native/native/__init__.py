@@ -105,9 +105,9 @@ def _build(path: Path) -> None:
         os.close(fd)
         try:
             runtime = openmp_runtime()
-            if runtime is None:
-                _run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"])
-            else:
+            try:
+                if runtime is None:
+                    raise RuntimeError("no OpenMP runtime")
                 # Compiled with -fopenmp but linked against torch's runtime file only (a link
                 # step with -fopenmp would add the system's libgomp, maybe a second runtime).
                 obj = tmp + ".o"
@@ -117,6 +117,8 @@ def _build(path: Path) -> None:
                 finally:
                     if os.path.exists(obj):
                         os.unlink(obj)
+            except RuntimeError:  # a compiler without OpenMP: the kernels' own thread pool
+                _run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"])
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
