@@ -199,3 +199,27 @@ def test_a_caller_cancelled_before_acceptance_leaves_no_request_running(allm, st
     finished = finished_stats()
     assert [f.finish_reason for f in finished] == ["abort"]
     assert sum(f.num_generation_tokens for f in finished) < 60
+
+
+def test_an_output_nobody_streams_does_not_hide_the_rest_of_the_step(allm):
+    """A step's output for a request no caller streams any more (aborted meanwhile) is skipped;
+    the outputs after it in the same step still reach their callers."""
+    import copy
+
+    real = allm.engine.step
+
+    def step():
+        outs = real()
+        if not outs:
+            return outs
+        ghost = copy.copy(outs[0])
+        ghost.request_id = "ghost"
+        return [ghost, *outs]
+
+    allm.engine.step = step
+
+    async def run():
+        return await asyncio.wait_for(collect(allm, "r0", PROMPTS[0]), 20)
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == GREEDY.max_tokens
