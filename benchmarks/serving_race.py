@@ -62,7 +62,7 @@ def start(kind: str, args: argparse.Namespace, log) -> tuple[subprocess.Popen, s
     else:
         cmd = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", args.gguf, "--host", "127.0.0.1",
                "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-               "--n_ctx", str(args.n_ctx)]
+               "--n_ctx", str(args.n_ctx), "--interrupt_requests", "False"]  # queue requests, not cancel them
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     _wait_ready(proc, url)

@@ -161,9 +161,9 @@ def _int4(n, k, seed=0):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_rows_use_one_kept_dense_copy_within_the_budget(monkeypatch, dtype):
-    """Past the quantized kernels' rows a weight is dequantized once (a copy in the activations'
-    precision, kept for the next steps, freed with the weight), not at every call; with no budget
-    left it is multiplied in tiles. Both give the dequantized weight's product."""
+    """Past the quantized kernels' rows a weight runs tiles the first time and from the second
+    on a dequantized copy (in the activations' precision, made once, freed with the weight);
+    with no budget left it runs tiles at every call. All give the dequantized weight's product."""
     import gc
 
     from infer.backends.torch_native import quant_linear as Q
@@ -179,16 +179,29 @@ def test_batched_rows_use_one_kept_dense_copy_within_the_budget(monkeypatch, dty
     want = x.double() @ torch.from_numpy(dequantize(_np(w))).double().t() + w.bias.double()
     for _ in range(3):
         torch.testing.assert_close(Q.linear(x, w).double(), want, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4)
-    assert calls == [()]  # the whole weight, once
+    assert calls == [(slice(0, 64),), ()]  # a tile (all 64 rows), then the whole weight once
     assert copies.held == 64 * 128 * (4 if dtype == "float32" else 2)
-    monkeypatch.setattr(Q, "DENSE_COPY_BYTES", copies.held)  # full: another weight gets tiles
+    monkeypatch.setattr(Q, "DENSE_COPY_BYTES", copies.held)  # full: another weight runs tiles
     other = Q.prepare_weight(_with_dtype(_int4(64, 128, seed=1), dtype))
-    Q.linear(x, other)
-    Q.linear(x, other)
-    assert len(copies.copies) == 1 and len(calls) == 1 + 2 * 1  # a tile (of 64 rows) per call
+    assert not copies.can_hold(other, DTYPES[dtype]) and copies.can_hold(w, DTYPES[dtype])
+    for _ in range(3):
+        Q.linear(x, other)
+    assert len(copies.copies) == 1 and calls[2:] == [(slice(0, 64),)] * 3
     del w
     gc.collect()
     assert copies.held == 0 and not copies.copies
+
+
+def test_float32_int4_batches_leave_the_native_kernel_where_dense_copies_fit(monkeypatch):
+    from infer.backends.torch_native import quant_linear as Q
+    from infer.backends.torch_native.native import ops as nops
+
+    w = Q.prepare_weight(_int4(64, 128))
+    x32, x16 = torch.zeros(1, 128), torch.zeros(1, 128, dtype=torch.bfloat16)
+    assert Q.native_int4_rows(x32, w) == Q.F32_NATIVE_BESIDE_DENSE_ROWS
+    assert Q.native_int4_rows(x16, w) == nops.INT4_BF16_MAX_ROWS
+    monkeypatch.setattr(Q, "DENSE_COPY_BYTES", 0)
+    assert Q.native_int4_rows(x32, w) == nops.INT4_GEMM_MAX_ROWS
 
 
 def _np(w):

@@ -38,7 +38,7 @@ from ...primitives.types import DenseWeight
 
 SPLIT_MAX_ROWS = 32  # fp32 CPU: up to this many rows, split N over threads...
 SPLIT_MAX_ROWS_KMAJOR = 128  # ...and up to this many for a K-major weight
-KMAJOR_RATIO = 4  # fp32 CPU: store K-major when N >= KMAJOR_RATIO * K
+KMAJOR_RATIO = 1  # fp32 CPU: store K-major when N >= KMAJOR_RATIO * K
 FP16_UPCAST_ROWS = 16  # fp16 CPU: from this many rows, compute in fp32
 MIN_PART = 64  # smallest piece of N worth a thread
 

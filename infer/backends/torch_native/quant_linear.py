@@ -64,6 +64,10 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 TILE_ELEMENTS = 1 << 20  # weights dequantized at once: 4 MiB of float32
 _HALF = (torch.bfloat16, torch.float16)
 DENSE_COPY_BYTES = int(float(os.environ.get("INFER_DEQUANT_CACHE_MB", "1024")) * 2**20)
+# float32 rows up to which the native int4 GEMM runs where a dense copy may exist: it redoes
+# the integer work per row, and a float32 copy in cache overtook it from 2-4 rows
+# (SmolLM2 shapes; from 32 rows up it is only an option without a copy).
+F32_NATIVE_BESIDE_DENSE_ROWS = 2
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -161,49 +165,79 @@ def _linear_in_tiles(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
 
 class _DenseCopies:
     """Dequantized copies of quantized weights, keyed by the weight's storage and the copy's
-    dtype, freed with the weight (a finalizer on its qweight tensor); `held` bytes in all."""
+    dtype, freed with the weight (a finalizer on its qweight tensor); `held` bytes in all.
+
+    A weight gets its copy the second time it is multiplied past the quantized kernels' rows
+    (the first call runs tiles): one prefill of one prompt makes none, a batch that keeps
+    stepping does."""
 
     def __init__(self):
-        self.copies: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.copies: dict[tuple[int, torch.dtype], DenseWeight] = {}
+        self.uses: dict[tuple[int, torch.dtype], int] = {}
         self.held = 0
         self.lock = threading.Lock()
 
-    def get(self, w: WeightHandle, dtype: torch.dtype) -> torch.Tensor | None:
+    def _size(self, w: WeightHandle, dtype: torch.dtype) -> int:
+        return w.out_features * w.in_features * torch.finfo(dtype).bits // 8
+
+    def can_hold(self, w: WeightHandle, dtype: torch.dtype) -> bool:
+        """Whether `w` has a copy, or one would fit the budget."""
+        return (id(w.qweight), dtype) in self.copies or self.held + self._size(w, dtype) <= DENSE_COPY_BYTES
+
+    def get(self, w: WeightHandle, dtype: torch.dtype) -> DenseWeight | None:
+        """The copy (prepared for the dense paths, bias included), or None: tiles this time."""
         key = (id(w.qweight), dtype)
-        dense = self.copies.get(key)
-        if dense is not None:
-            return dense
-        size = w.out_features * w.in_features * torch.finfo(dtype).bits // 8
+        copy = self.copies.get(key)
+        if copy is not None:
+            return copy
+        size = self._size(w, dtype)
         with self.lock:
             if self.held + size > DENSE_COPY_BYTES:
                 return None
+            uses = self.uses.get(key, 0)
+            self.uses[key] = uses + 1
+            if uses == 0:
+                weakref.finalize(w.qweight, self._drop, key)
+                return None
             self.held += size
         try:
-            dense = dequantize(w).to(dtype)
+            bias = None if w.bias is None else w.bias.to(dtype)
+            copy = dense.prepare_weight(DenseWeight(dequantize(w).to(dtype), bias))
         except BaseException:
-            self._drop(key, size)
+            with self.lock:
+                self.held -= size
             raise
-        self.copies[key] = dense
-        weakref.finalize(w.qweight, self._drop, key, size)
-        return dense
+        self.copies[key] = copy
+        return copy
 
-    def _drop(self, key, size: int) -> None:
+    def _drop(self, key) -> None:
         with self.lock:
-            self.copies.pop(key, None)
-            self.held -= size
+            self.uses.pop(key, None)
+            copy = self.copies.pop(key, None)
+            if copy is not None:
+                self.held -= copy.weight.numel() * copy.weight.element_size()
 
 
 DENSE_COPIES = _DenseCopies()
 
 
+def native_int4_rows(x: torch.Tensor, *weights: WeightHandle) -> int:
+    """Rows the native int4 kernels take for `weights` (one layer's) with x's dtype: up to the
+    measured limits, fewer in float32 where dense copies can take the batch."""
+    if x.dtype != torch.float32:
+        return native.INT4_BF16_MAX_ROWS
+    if all(DENSE_COPIES.can_hold(w, torch.float32) for w in weights):
+        return F32_NATIVE_BESIDE_DENSE_ROWS
+    return native.INT4_GEMM_MAX_ROWS
+
+
 def _linear_dense(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     """Rows past the quantized kernels' limits: the kept dense copy if the budget allows, else tiles."""
     cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    dense = DENSE_COPIES.get(w, cdt) if isinstance(w, (Int4GroupWeight, Int8GroupWeight, Fp8Weight)) else None
-    if dense is None:
+    copy = DENSE_COPIES.get(w, cdt) if isinstance(w, (Int4GroupWeight, Int8GroupWeight, Fp8Weight)) else None
+    if copy is None:
         return _linear_in_tiles(x, w)
-    y = torch.nn.functional.linear(x.to(cdt), dense, None if w.bias is None else w.bias.to(cdt))
-    return y.to(x.dtype)
+    return dense.linear(x.to(cdt), copy).to(x.dtype)
 
 
 def _int8_grouped(x: torch.Tensor, w: Int8GroupWeight, p: Int8Grouped) -> torch.Tensor:
