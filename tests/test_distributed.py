@@ -588,10 +588,14 @@ def test_data_parallel_routing_and_abort():
         assert dp.in_flight == [0, 0] and dp._owner == {}
         dp.abort("never-routed")
         assert replicas[0].aborted == ["never-routed"] and replicas[1].aborted == ["b", "never-routed"]
+        assert dp.dead is None and dp.failure is None
         replicas[0].failure = "down"
         c = await dp.generate("c", "p", None)
         assert dp._owner == {"c": 1}  # a failed replica gets no new work
+        assert dp.failure == "replica 0: down"
         await c.aclose()
+        replicas[1].dead = error = RuntimeError("engine thread died")
+        assert dp.dead is error
 
     asyncio.run(run())
 

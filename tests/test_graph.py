@@ -68,6 +68,18 @@ def test_unknown_node_kinds_are_refused():
         g.add("convolution", "c", ["a"], ["b"])
 
 
+def test_a_node_kind_without_a_lowering_is_refused(monkeypatch):
+    """A kind added to the graph vocabulary before its lowering is not silently dropped."""
+    from infer.core import graph as graph_module
+    from infer.core.lowering import lower
+
+    monkeypatch.setitem(graph_module.NODE_KINDS, "convolution", ())
+    g = Graph("X", None)
+    g.add("convolution", "c", ["a"], ["b"])
+    with pytest.raises(ValueError, match="no lowering for 'convolution' and the backend does not fuse it"):
+        lower(g)
+
+
 @pytest.mark.parametrize("params", [
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},

@@ -30,6 +30,7 @@ from infer.core.loader import (  # noqa: E402
     UnsupportedArchitectureError,
     iter_weights,
     load_model,
+    open_checkpoint,
     resolve_model_path,
 )
 from infer.core.loader import paths as loader_paths  # noqa: E402
@@ -84,6 +85,31 @@ def saved(tmp_path_factory):
         model.save_pretrained(sharded, max_shard_size="50KB")
         out[arch] = (model, single, sharded)
     return out
+
+
+def test_auto_dtype_is_the_checkpoints_float16_else_float32():
+    from infer.core.loader.config import resolve_dtype
+
+    for cfg in ({"dtype": "float16"}, {"torch_dtype": "float16"}, {"dtype": "float16", "torch_dtype": "float32"}):
+        assert resolve_dtype("auto", cfg, "safetensors") == np.float16, cfg
+    for cfg, fmt in (({"dtype": "bfloat16"}, "safetensors"), ({}, "safetensors"), ({"dtype": "float16"}, "gguf")):
+        assert resolve_dtype("auto", cfg, fmt) == np.float32, (cfg, fmt)
+
+
+def test_shard_reads_are_the_same_cut_of_the_tensor_in_the_asked_dtype(saved):
+    """`LazyWeights.read_slice` (what a tensor-parallel rank loads): rows or columns of a
+    safetensors tensor, only those bytes read, cast like a whole read."""
+    from infer.core.loader.load import LazyWeights
+
+    model, single, _ = saved["llama"]
+    want = checkpoint_tensors(model)["model.layers.0.mlp.down_proj.weight"]
+    lazy = LazyWeights(open_checkpoint(single), np.dtype(np.float16), progress=False)
+    for axis, lo, hi in ((0, 3, 9), (1, 0, 5)):
+        got = lazy.read_slice("model.layers.0.mlp.down_proj.weight", axis, lo, hi)
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got, want[(slice(None),) * axis + (slice(lo, hi),)].astype(np.float16))
+    with pytest.raises(ValueError, match="outside its shape"):
+        lazy.read_slice("model.layers.0.mlp.down_proj.weight", 2, 0, 1)
 
 
 def copy_dir(src, dst):

@@ -87,6 +87,21 @@ def test_loader_fuses_per_expert_tensors_into_transformers_layout(saved_model):
         np.testing.assert_array_equal(loaded.weights[name], w, err_msg=name)
 
 
+def test_fused_expert_slices_equal_the_same_cut_of_the_fused_tensor(saved_model):
+    """A tensor-parallel rank reads part of a fused expert tensor from the per-expert files:
+    experts (axis 0), the fused gate/up rows (axis 1) or the input columns (axis 2)."""
+    from infer.core.loader import open_checkpoint
+
+    directory, _, _, _ = saved_model
+    ckpt = open_checkpoint(directory)
+    fused = [n for n in ckpt.names if n.endswith("experts.gate_up_proj")]
+    assert fused
+    whole = ckpt.read(fused[0])
+    for axis, lo, hi in ((0, 1, 3), (1, 2, whole.shape[1] - 2), (2, 4, 12)):
+        cut = (slice(None),) * axis + (slice(lo, hi),)
+        np.testing.assert_array_equal(ckpt.read_slice(fused[0], axis, lo, hi), whole[cut], err_msg=f"axis {axis}")
+
+
 def test_loader_reads_a_checkpoint_already_in_the_fused_layout(saved_model, tmp_path):
     from safetensors.torch import save_file
 

@@ -4,6 +4,8 @@ conformance cases' power to catch a wrong quantized kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -205,3 +207,6 @@ def test_fusing_quantized_weights_concatenates_every_per_row_field():
     np.testing.assert_array_equal(fused.qweight, np.concatenate([p.qweight for p in parts]))
     np.testing.assert_array_equal(fused.scales, np.concatenate([p.scales for p in parts]))
     assert concat_rows(parts[:1]) is parts[0]
+    # int8 has no offsets: the bias after them is still fused
+    with_bias = [dataclasses.replace(p, bias=np.full(p.out_features, i, np.float32)) for i, p in enumerate(parts)]
+    np.testing.assert_array_equal(concat_rows(with_bias).bias, np.concatenate([p.bias for p in with_bias]))

@@ -155,6 +155,13 @@ _GGUF_CHUNK = ("the chunk size trades peak memory against the number of dequanti
 _GGUF_STEP = ("rows per chunk a third more or a fifth fewer (or at least 2): the same weights, temporaries within "
               "the bound test_gguf_reads_hold_one_row_chunk_of_temporaries sets")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("infer/core/ray_executor.py", "_ray().kill(self.actor, no_restart=True)",
+     "_ray().kill(self.actor, no_restart=False)"):
+        "rank actors are created with Ray's default max_restarts=0: a killed one is never restarted either way",
+    ("infer/core/distributed.py", "TAG_MESSAGE, TAG_CARRY, TAG_LOGITS = 1, 2, 3",
+     "TAG_MESSAGE, TAG_CARRY, TAG_LOGITS = 2, 2, 3"):
+        "between one pair of ranks step messages and carries are sent and received in the same order "
+        "(message n, carry n, message n+1 ...), so a shared tag matches the same messages",
     ("infer/core/models/moe.py", "shared_gate: bool = False", "shared_gate: bool = True"):
         "the default is read only with a shared expert, and moe_spec passes shared_gate whenever it makes one",
     ("infer/core/expert_load.py", "return np.where(mean > 0, counts.max(axis=1) / mean, np.nan)",
