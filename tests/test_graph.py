@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -83,6 +85,9 @@ def test_a_node_kind_without_a_lowering_is_refused(monkeypatch):
 @pytest.mark.parametrize("params", [
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 8192},
+    # the first frequency's wavelength (2 pi) is exactly old length / low_freq_factor: on the boundary
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 4096 / math.pi,
+     "high_freq_factor": 4 * 4096 / math.pi, "original_max_position_embeddings": 8192},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048},
     {"rope_type": "default", "rope_theta": 1000000.0},
