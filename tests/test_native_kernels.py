@@ -76,7 +76,7 @@ def test_the_kernels_are_built_and_cached():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 600])  # 600: split over the OpenMP team
 def test_rms_norm_matches_the_torch_ops(torch_ops, dtype, residual, rows):
     g = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 700, generator=g).to(dtype)
@@ -92,7 +92,10 @@ def test_rms_norm_matches_the_torch_ops(torch_ops, dtype, residual, rows):
 
 
 def test_rms_norm_past_the_row_limit_uses_the_torch_ops(monkeypatch):
+    """On torch's OpenMP team the kernel takes any rows; with its own pool (one thread) up to MAX_ROWS."""
     x, w = torch.randn(nops.MAX_ROWS + 1, 64), torch.ones(64)
+    assert nops.rms_norm(x, w, 1e-6) is not None
+    monkeypatch.setitem(nops._FUNCTIONS, "openmp", False)
     assert nops.rms_norm(x, w, 1e-6) is None
     assert nops.rms_norm(x[:3], w, 1e-6) is not None
     assert nops.rms_norm(x[:3].double(), w.double(), 1e-6) is None  # float64: not a kernel dtype
@@ -103,12 +106,13 @@ def test_rms_norm_past_the_row_limit_uses_the_torch_ops(monkeypatch):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rot", [64, 32])
 @pytest.mark.parametrize("adjacent", [True, False])
-def test_rotary_is_exactly_the_torch_ops(torch_ops, dtype, neox, rot, adjacent):
-    _, q, k, _ = _qkv(5, 6, 2, 64, dtype)
+@pytest.mark.parametrize("tokens", [5, 300])  # 300: split over the OpenMP team
+def test_rotary_is_exactly_the_torch_ops(torch_ops, dtype, neox, rot, adjacent, tokens):
+    _, q, k, _ = _qkv(tokens, 6, 2, 64, dtype)
     if not adjacent:
         q, k = q.clone(), k.clone()
     table = torch.randn(100, rot)
-    positions = torch.tensor([0, 3, 99, 7, 42])
+    positions = torch.tensor([0, 3, 99, 7, 42] * (tokens // 5))
     got = OPS.rotary(q, k, positions, table, neox)
     want = torch_ops(ops.rotary, q, k, positions, table, neox)
     for a, b in zip(got, want):
@@ -125,7 +129,7 @@ def test_rotary_position_outside_the_table_raises():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("rows", [1, 9, 300])  # 300: float32 split over the OpenMP team
 def test_silu_and_mul_matches_the_torch_ops(torch_ops, dtype, rows):
     x = (torch.randn(rows, 2 * 1536) * 6).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturating and zero inputs

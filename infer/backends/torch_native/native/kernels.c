@@ -122,6 +122,11 @@ static void pool_run(pool_task task, const void *args, int64_t parts) {
 }
 
 int infer_openmp(void) { return 1; }
+
+/* Row loops of the elementwise kernels: split over the team when a call has PAR_MIN_WORK
+ * elements or more (prefill-sized), serial below (decode-sized: a region costs more). */
+#define PAR_MIN_WORK (1 << 16)
+#define PAR_FOR _Pragma("omp parallel for schedule(static) if (par_work >= PAR_MIN_WORK && !pool_forked)")
 #else
 /* Without OpenMP:
  * a decode step runs ~120 GEMVs of 10-60 us each: handing each half to a Python
@@ -265,35 +270,46 @@ static void pool_run(pool_task task, const void *args, int64_t parts) {
 }
 
 int infer_openmp(void) { return 0; }
+#define PAR_FOR
 #endif
 
 /* ---- rms_norm, optionally after a residual add --------------------------------
  * res_out = x + res (rounded to the element type), y = res_out * rsqrt(mean(res_out^2) + eps) * w.
  */
 #define DEF_RMS_NORM(SUF, T, LD, ST)                                                                        \
+    static void rms_row_##SUF(const T *xr, const T *rr, const T *w, T *o, T *ro, int64_t n, float eps,       \
+                              float *t) {                                                                   \
+        if (rr) {                                                                                           \
+            for (int64_t i = 0; i < n; i++) {                                                               \
+                T s = ST(LD(xr[i]) + LD(rr[i]));                                                            \
+                ro[i] = s;                                                                                  \
+                t[i] = LD(s);                                                                               \
+            }                                                                                               \
+        } else {                                                                                            \
+            for (int64_t i = 0; i < n; i++) t[i] = LD(xr[i]);                                               \
+        }                                                                                                   \
+        float inv = 1.0f / sqrtf(dot_f32(t, t, n) / (float)n + eps);                                        \
+        for (int64_t i = 0; i < n; i++) o[i] = ST((t[i] * inv) * LD(w[i]));                                 \
+    }                                                                                                       \
     int infer_rms_norm_##SUF(const T *x, int64_t xs, const T *res, int64_t rs, const T *w, T *out,          \
                              int64_t os, T *res_out, int64_t ros, int64_t rows, int64_t n, float eps) {     \
-        float stack[4096];                                                                                  \
-        float *t = n <= 4096 ? stack : (float *)malloc(sizeof(float) * n);                                  \
-        if (!t) return -2;                                                                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                                \
-            const T *xr = x + r * xs;                                                                       \
-            if (res) {                                                                                      \
-                const T *rr = res + r * rs;                                                                 \
-                T *ro = res_out + r * ros;                                                                  \
-                for (int64_t i = 0; i < n; i++) {                                                           \
-                    T s = ST(LD(xr[i]) + LD(rr[i]));                                                        \
-                    ro[i] = s;                                                                              \
-                    t[i] = LD(s);                                                                           \
-                }                                                                                           \
-            } else {                                                                                        \
-                for (int64_t i = 0; i < n; i++) t[i] = LD(xr[i]);                                           \
-            }                                                                                               \
-            float inv = 1.0f / sqrtf(dot_f32(t, t, n) / (float)n + eps);                                    \
-            T *o = out + r * os;                                                                            \
-            for (int64_t i = 0; i < n; i++) o[i] = ST((t[i] * inv) * LD(w[i]));                             \
+        if (n > 4096) { /* wider than the per-row stack scratch: one heap row, serially */                  \
+            float *t = (float *)malloc(sizeof(float) * n);                                                  \
+            if (!t) return -2;                                                                              \
+            for (int64_t r = 0; r < rows; r++)                                                              \
+                rms_row_##SUF(x + r * xs, res ? res + r * rs : NULL, w, out + r * os,                       \
+                              res ? res_out + r * ros : NULL, n, eps, t);                                   \
+            free(t);                                                                                        \
+            return 0;                                                                                       \
         }                                                                                                   \
-        if (t != stack) free(t);                                                                            \
+        int64_t par_work = rows * n;                                                                        \
+        (void)par_work;                                                                                     \
+        PAR_FOR                                                                                             \
+        for (int64_t r = 0; r < rows; r++) {                                                                \
+            float t[4096];                                                                                  \
+            rms_row_##SUF(x + r * xs, res ? res + r * rs : NULL, w, out + r * os,                           \
+                          res ? res_out + r * ros : NULL, n, eps, t);                                       \
+        }                                                                                                   \
         return 0;                                                                                           \
     }
 
@@ -307,10 +323,13 @@ int infer_openmp(void) { return 0; }
                            int64_t k_hs, int64_t hk, const int64_t *pos, const float *cos_sin, int64_t npos, \
                            int64_t rot, int neox, T *out, int64_t ntok, int64_t d) {                        \
         int64_t half = rot / 2, heads = hq + hk;                                                            \
+        for (int64_t t = 0; t < ntok; t++)                                                                  \
+            if (pos[t] < 0 || pos[t] >= npos) return -1;                                                    \
+        int64_t par_work = ntok * heads * d;                                                                \
+        (void)par_work;                                                                                     \
+        PAR_FOR                                                                                             \
         for (int64_t t = 0; t < ntok; t++) {                                                                \
-            int64_t p = pos[t];                                                                             \
-            if (p < 0 || p >= npos) return -1;                                                              \
-            const float *c = cos_sin + p * rot, *s = c + half;                                              \
+            const float *c = cos_sin + pos[t] * rot, *s = c + half;                                         \
             for (int64_t h = 0; h < heads; h++) {                                                           \
                 const T *src = h < hq ? q + t * q_ts + h * q_hs : k + t * k_ts + (h - hq) * k_hs;           \
                 T *o = out + (t * heads + h) * d;                                                           \
@@ -338,6 +357,9 @@ int infer_openmp(void) { return 0; }
 /* ---- silu(x[:, :h]) * x[:, h:] ---------------------------------------------------- */
 #define DEF_SILU_AND_MUL(SUF, T, LD, ST)                                                                    \
     int infer_silu_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) {                \
+        int64_t par_work = rows * h;                                                                        \
+        (void)par_work;                                                                                     \
+        PAR_FOR                                                                                             \
         for (int64_t r = 0; r < rows; r++) {                                                                \
             const T *g = x + r * xs, *u = g + h;                                                            \
             T *o = out + r * h;                                                                             \

@@ -22,6 +22,10 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # past 32 rows (measurements: docs/backends/torch-measurements.md).
 MAX_ROWS = 256
 SILU_MAX_ROWS = 32
+# Split over torch's OpenMP team (kernels.c, PAR_FOR), rms_norm and rotary beat torch's ops
+# at every size (2-7x at 2048 rows); SiLU-and-mul only in float32 from 256 rows (torch's
+# float32 SiLU ran 7x longer at 2048 rows; bf16 about even, and behind from 33 to ~128 rows).
+SILU_PAR_MIN_ROWS = 256
 MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
 
 
@@ -66,6 +70,13 @@ def _check(rc: int, what: str) -> None:
         raise MemoryError(f"{what}: the native kernel could not allocate its scratch")
 
 
+def _limit(lib, serial: int) -> int:
+    """Rows up to which an elementwise kernel runs: on torch's OpenMP team a big call is split
+    over its threads (kernels.c, PAR_FOR) and beat torch's ops at prefill sizes too; with the
+    kernels' own pool it runs on one thread, up to `serial` rows."""
+    return 1 << 62 if _openmp(lib) else serial
+
+
 def _rows(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= limit
 
@@ -73,7 +84,7 @@ def _rows(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     args = (x, weight) if residual is None else (x, weight, residual)
     lib = _lib(*args)
-    if lib is None or not _rows(x) or not weight.is_contiguous() or weight.shape != x.shape[1:]:
+    if lib is None or not _rows(x, _limit(lib, MAX_ROWS)) or not weight.is_contiguous() or weight.shape != x.shape[1:]:
         return None
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         return None
@@ -91,13 +102,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out, summed
 
 
-def _heads(x: torch.Tensor) -> bool:
-    return x.dim() == 3 and x.stride(2) == 1 and x.shape[0] <= MAX_ROWS
+def _heads(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.shape[0] <= limit
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox_style: bool):
     lib = _lib(q, k)
-    if lib is None or not (_heads(q) and _heads(k)) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+    rows = _limit(lib, MAX_ROWS) if lib is not None else 0
+    if lib is None or not (_heads(q, rows) and _heads(k, rows)) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         return None
     rot = cos_sin_cache.shape[1]
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() or rot > q.shape[2] or rot % 2:
@@ -116,7 +128,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
 
 def silu_and_mul(x: torch.Tensor):
     lib = _lib(x)
-    if lib is None or not _rows(x, SILU_MAX_ROWS) or x.shape[1] % 2:
+    if lib is None or not _rows(x, _limit(lib, SILU_MAX_ROWS)) or x.shape[1] % 2:
+        return None
+    if SILU_MAX_ROWS < x.shape[0] and (x.dtype != torch.float32 or x.shape[0] < SILU_PAR_MIN_ROWS):
         return None
     rows, h = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, h), dtype=x.dtype)
