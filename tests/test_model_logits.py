@@ -53,3 +53,19 @@ def test_the_first_forward_after_each_kv_allocation_validates_its_calls(monkeypa
         forward()
         forward()
         assert len(checked) == per_forward
+
+
+def test_vocab_parallel_embedding_view_ops_zero_the_rows_of_other_shards():
+    """A tensor-parallel rank holding vocabulary rows [4, 8): its ids shifted into the shard
+    (others read row 0), then the rows of ids outside it zeroed (the all_reduce sums shards)."""
+    import torch
+
+    from infer.core.lowering import Call
+    from infer.core.model_runner import _bind_view
+
+    env = {"ids": torch.tensor([0, 5, 7, 8, 4])}
+    _bind_view(Call("vocab_ids", "embed", ("ids",), ("local", "valid"), attrs={"start": 4, "size": 4}))(env)
+    assert env["local"].tolist() == [0, 1, 3, 0, 0] and env["valid"].tolist() == [False, True, True, False, True]
+    env["rows"] = torch.arange(1.0, 6.0)[:, None].repeat(1, 3)
+    _bind_view(Call("mask_rows", "embed", ("rows", "valid"), ("masked",)))(env)
+    assert env["masked"].tolist() == [[0.0] * 3, [2.0] * 3, [3.0] * 3, [0.0] * 3, [5.0] * 3]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.core.loader import load_model
+from infer.core.loader import LoaderError, load_model
 from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
 from infer.core.models.llama import build_llama
@@ -288,3 +288,13 @@ def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatc
     llm, want = generate()
     assert not any(c.primitive.startswith("fused_") for c in llm.engine.runner.program.calls)
     assert got == want
+
+
+def test_awq_packings_other_than_gemm_are_refused(tmp_path):
+    """AWQ's GEMV packing orders the nibbles differently: refused by name, not misread."""
+    write_checkpoint(tmp_path, "awq")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["version"] = "gemv"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoaderError, match="AWQ version 'gemv'"):
+        load_model(tmp_path, load_tokenizer=False).lazy_weights(quantized=True)["model.layers.0.self_attn.q_proj.weight"]
