@@ -639,16 +639,3 @@ def test_headless_is_refused_on_node_0_and_without_mp(monkeypatch):
             worker.run_headless(args)
     with pytest.raises(AssertionError, match="a rank was started"):  # node 1 of an mp job does start its ranks
         worker.run_headless(EngineArgs(**where, node_rank=1))
-
-
-def test_a_sharded_program_reduces_every_partial_sum_once():
-    """Lowering a rank's graph adds one all_reduce on the tp group after the vocabulary-parallel
-    embedding and after each layer's attention and MLP, and gathers the logits once; the
-    unsharded program has no collective."""
-    g = build_llama(llama_config(tie_word_embeddings=False))
-    assert not [c for c in lower(g).calls if c.primitive in ("all_reduce", "all_gather")]
-    calls = lower(shard_graph(g, 1, 2)).calls
-    reduced = [c.node for c in calls if c.primitive == "all_reduce"]
-    assert sorted(reduced) == sorted(shard_graph(g, 1, 2).partial) and len(reduced) == 1 + 2 * 2
-    assert all(c.attrs == {"group": "tp"} for c in calls if c.primitive == "all_reduce")
-    assert [c.primitive for c in calls].count("all_gather") == 1

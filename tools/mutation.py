@@ -304,6 +304,8 @@ def baseline(box: Sandbox, tests: list[str], cache: dict) -> tuple[list[str], fl
                 if status == "survived" or not box.killer:
                     break
                 print(f"warning: {box.killer} fails without a mutant: deselected", flush=True)
+                if box.killer == path:  # the one test named here: nothing is left to run
+                    break
                 deselect.append(f"--deselect={box.killer}")
             cache[path] = ([path, *deselect], seconds) if status == "survived" else ([], 0.0)
         args += cache[path][0]
