@@ -210,3 +210,14 @@ def test_fusing_quantized_weights_concatenates_every_per_row_field():
     # int8 has no offsets: the bias after them is still fused
     with_bias = [dataclasses.replace(p, bias=np.full(p.out_features, i, np.float32)) for i, p in enumerate(parts)]
     np.testing.assert_array_equal(concat_rows(with_bias).bias, np.concatenate([p.bias for p in with_bias]))
+
+
+def test_to_backend_moves_every_field_of_a_handle_without_offsets():
+    """int8 handles have no offsets: the bias after them still goes to the backend."""
+    from infer.core.quant_params import to_backend
+    from infer.registry import get_backend
+
+    w = dataclasses.replace(_int8(4, 32), bias=np.arange(4, dtype=np.float32))
+    moved = to_backend(w, get_backend("torch"), "float32", (4, 64), "w")
+    assert isinstance(moved.qweight, torch.Tensor) and isinstance(moved.scales, torch.Tensor)
+    assert isinstance(moved.bias, torch.Tensor) and moved.bias.tolist() == [0.0, 1.0, 2.0, 3.0]

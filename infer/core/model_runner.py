@@ -73,8 +73,7 @@ class ModelRunner:
         self._dead = program.dead_after((*self.outputs, *(name for _, name in self._count_outputs)))
         self.attention_key: dict[str, Any] = {}  # the dispatch key of the attention calls (set when bound)
         self._steps: list[Callable[[dict], None]] = []
-        self._checked_steps: list[Callable[[dict], None]] = []
-        self._validated = False
+        self._checked_steps: list[Callable[[dict], None]] = []  # the first forward's; `_validated` set with them
 
     # -- binding --------------------------------------------------------------
     # Names a checkpoint gives a layer's fp8 KV scales, relative to the attention
