@@ -27,16 +27,10 @@ from pathlib import Path
 
 import httpx
 
+from infer.core.distributed import free_port
+
 sys.path.insert(0, str(Path(__file__).parent))
 import serving  # noqa: E402
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
@@ -55,7 +49,7 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300.0) -> Non
 
 
 def start(kind: str, args: argparse.Namespace, log) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     if kind == "infer":
         cmd = [sys.executable, "-m", "infer", "serve", "--model", args.gguf, "--port", str(port),
                "--uvicorn-log-level", "warning", *args.infer_args.split()]

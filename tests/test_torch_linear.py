@@ -197,11 +197,14 @@ def test_float32_int4_batches_leave_the_native_kernel_where_dense_copies_fit(mon
     from infer.backends.torch_native.native import ops as nops
 
     w = Q.prepare_weight(_int4(64, 128))
-    x32, x16 = torch.zeros(1, 128), torch.zeros(1, 128, dtype=torch.bfloat16)
-    assert Q.native_int4_rows(x32, w) == Q.F32_NATIVE_BESIDE_DENSE_ROWS
-    assert Q.native_int4_rows(x16, w) == nops.INT4_BF16_MAX_ROWS
-    monkeypatch.setattr(Q, "DENSE_COPY_BYTES", 0)
-    assert Q.native_int4_rows(x32, w) == nops.INT4_GEMM_MAX_ROWS
+
+    def rows(dtype):  # the most rows the native kernel takes
+        return max(t for t in range(1, 64) if Q.native_int4_takes(torch.zeros(t, 128, dtype=dtype), w))
+
+    assert rows(torch.float32) == Q.F32_NATIVE_BESIDE_DENSE_ROWS
+    assert rows(torch.bfloat16) == nops.INT4_BF16_MAX_ROWS
+    monkeypatch.setattr(Q, "DENSE_COPY_BYTES", 0)  # no copy can be made: the native kernel keeps its rows
+    assert rows(torch.float32) == nops.INT4_GEMM_MAX_ROWS
 
 
 def _np(w):

@@ -13,7 +13,7 @@ from ...primitives.types import Int8GroupWeight
 from . import fp8_kv
 from .attention import LazyPlan
 from .native import ops as native
-from .quant_linear import Int4Prepared, native_int4_rows
+from .quant_linear import Int4Prepared, native_int4_takes
 
 
 def _served(result):
@@ -49,7 +49,7 @@ def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_s
 def linear(x, weight):
     """The int4 GEMM (up to its row limit) and the Q8_0 GEMV; bias added after, as the torch paths do."""
     t, p = x.shape[0], weight.prepared
-    if isinstance(p, Int4Prepared) and p.native is not None and 0 < t <= native_int4_rows(x, weight):
+    if isinstance(p, Int4Prepared) and p.native is not None and t > 0 and native_int4_takes(x, weight):
         y = native.int4_gemm_prepared(x, p.native)
         if y is not None:
             return y if weight.bias is None else y + weight.bias.to(x.dtype)

@@ -16,7 +16,7 @@ from ...primitives.context import LayerContext
 from ...primitives.types import AttentionMetadata, Int4GroupWeight
 from .attention import LazyPlan
 from .native import ops as native
-from .quant_linear import Int4Prepared, native_int4_rows
+from .quant_linear import Int4Prepared, native_int4_takes
 
 
 def _int4(handle) -> native.Int4Native | None:
@@ -55,7 +55,7 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
                                             ctx.kv_cache, heads, attrs["scale"], attrs["sliding_window"])
 
     packed = _layer_memo(params, build, ctx.kv_cache)
-    if packed is False or x.shape[0] > native_int4_rows(x, params["qkv_proj"], params["o_proj"]):
+    if packed is False or not native_int4_takes(x, params["qkv_proj"], params["o_proj"]):
         return NotImplemented
     if plan.native is None:  # the step's side, packed by the first layer
         plan.native = native.attention_block_step(meta) or False
@@ -74,7 +74,7 @@ def mlp(x, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
         return native.mlp_layer(gate_up, down)
 
     packed = _layer_memo(params, build)
-    if packed is False or x.shape[0] > native_int4_rows(x, params["gate_up_proj"], params["down_proj"]):
+    if packed is False or not native_int4_takes(x, params["gate_up_proj"], params["down_proj"]):
         return NotImplemented
     out = native.mlp(x, packed)
     return NotImplemented if out is None else out

@@ -34,9 +34,10 @@ from `python benchmarks/quant.py --part linear --threads 1`):
 So: a few rows take the native GEMVs; half precision takes the packed kernels
 up to 160 rows and float32 the native GEMM up to 32. Past those limits (a
 prefill chunk, or a batch of decodes with a prompt chunk beside them) the
-weight is multiplied dense: a dequantized copy in the activations' precision
-(bf16, else fp32) is made at the first such call and kept for the next ones, so
-a batched step does not dequantize every weight again; the copies together
+weight is multiplied dense: the first such call dequantizes it in tiles, the
+second makes a dequantized copy in the activations' precision (bf16, else fp32)
+kept for the next ones, so a batched step does not dequantize every weight
+again and one prefill of one prompt makes no copy; the copies together
 stay within DENSE_COPY_BYTES (``$INFER_DEQUANT_CACHE_MB``, default 1024; 0
 keeps none), and a weight past the budget is dequantized in tiles at each call
 (no full float copy of it ever exists).
@@ -178,7 +179,7 @@ class _DenseCopies:
         self.lock = threading.Lock()
 
     def _size(self, w: WeightHandle, dtype: torch.dtype) -> int:
-        return w.out_features * w.in_features * torch.finfo(dtype).bits // 8
+        return w.out_features * w.in_features * dtype.itemsize
 
     def can_hold(self, w: WeightHandle, dtype: torch.dtype) -> bool:
         """Whether `w` has a copy, or one would fit the budget."""
@@ -221,14 +222,15 @@ class _DenseCopies:
 DENSE_COPIES = _DenseCopies()
 
 
-def native_int4_rows(x: torch.Tensor, *weights: WeightHandle) -> int:
-    """Rows the native int4 kernels take for `weights` (one layer's) with x's dtype: up to the
-    measured limits, fewer in float32 where dense copies can take the batch."""
+def native_int4_takes(x: torch.Tensor, *weights: WeightHandle) -> bool:
+    """Whether the native int4 kernels take x's rows for `weights` (one layer's): up to the
+    measured limits, in float32 fewer where dense copies can take the batch."""
+    t = x.shape[0]
     if x.dtype != torch.float32:
-        return native.INT4_BF16_MAX_ROWS
-    if all(DENSE_COPIES.can_hold(w, torch.float32) for w in weights):
-        return F32_NATIVE_BESIDE_DENSE_ROWS
-    return native.INT4_GEMM_MAX_ROWS
+        return t <= native.INT4_BF16_MAX_ROWS
+    if t <= F32_NATIVE_BESIDE_DENSE_ROWS:  # decode: no budget lookup on the hot path
+        return True
+    return t <= native.INT4_GEMM_MAX_ROWS and not all(DENSE_COPIES.can_hold(w, torch.float32) for w in weights)
 
 
 def _linear_dense(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:

@@ -105,24 +105,28 @@ def _build(path: Path) -> None:
         os.close(fd)
         try:
             runtime = openmp_runtime()
-            try:
-                if runtime is None:
-                    raise RuntimeError("no OpenMP runtime")
-                # Compiled with -fopenmp but linked against torch's runtime file only (a link
-                # step with -fopenmp would add the system's libgomp, maybe a second runtime).
-                obj = tmp + ".o"
-                try:
-                    _run([*_compiler(), *flags(), "-fopenmp", "-DINFER_OPENMP", "-c", "-o", obj, str(SOURCE)])
-                    _run([*_compiler(), *flags(), "-o", tmp, obj, runtime, "-lm"])
-                finally:
-                    if os.path.exists(obj):
-                        os.unlink(obj)
-            except RuntimeError:  # a compiler without OpenMP: the kernels' own thread pool
-                _run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"])
+            if runtime is None or not _build_openmp(tmp, runtime):
+                _run([*_compiler(), *flags(), "-o", tmp, str(SOURCE), "-lm"])  # the kernels' own thread pool
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+
+def _build_openmp(out: str, runtime: str) -> bool:
+    """Compile with -fopenmp but link against torch's runtime file only (a link step with
+    -fopenmp would add the system's libgomp, maybe a second runtime); False when the
+    compiler cannot."""
+    obj = out + ".o"
+    try:
+        _run([*_compiler(), *flags(), "-fopenmp", "-DINFER_OPENMP", "-c", "-o", obj, str(SOURCE)])
+        _run([*_compiler(), *flags(), "-o", out, obj, runtime, "-lm"])
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        if os.path.exists(obj):
+            os.unlink(obj)
 
 
 def _run(cmd: list[str]) -> None:
@@ -151,6 +155,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.infer_openmp.argtypes, lib.infer_openmp.restype = (), ctypes.c_int
     threads = "torch's OpenMP threads" if lib.infer_openmp() else "own thread pool"
     return lib, f"built ({path}; {threads})"
+
+
+@functools.cache
+def openmp() -> bool:
+    """Whether the kernels split their work over torch's own OpenMP threads."""
+    lib = library()
+    return lib is not None and bool(lib.infer_openmp())
 
 
 def library() -> ctypes.CDLL | None:

@@ -123,10 +123,11 @@ static void pool_run(pool_task task, const void *args, int64_t parts) {
 
 int infer_openmp(void) { return 1; }
 
-/* Row loops of the elementwise kernels: split over the team when a call has PAR_MIN_WORK
+/* PAR_FOR(work): the row loop after it is split over the team when the call has PAR_MIN_WORK
  * elements or more (prefill-sized), serial below (decode-sized: a region costs more). */
 #define PAR_MIN_WORK (1 << 16)
-#define PAR_FOR _Pragma("omp parallel for schedule(static) if (par_work >= PAR_MIN_WORK && !pool_forked)")
+#define PAR_PRAGMA(x) _Pragma(#x)
+#define PAR_FOR(work) PAR_PRAGMA(omp parallel for schedule(static) if ((work) >= PAR_MIN_WORK && !pool_forked))
 #else
 /* Without OpenMP:
  * a decode step runs ~120 GEMVs of 10-60 us each: handing each half to a Python
@@ -270,7 +271,7 @@ static void pool_run(pool_task task, const void *args, int64_t parts) {
 }
 
 int infer_openmp(void) { return 0; }
-#define PAR_FOR
+#define PAR_FOR(work)
 #endif
 
 /* ---- rms_norm, optionally after a residual add --------------------------------
@@ -302,9 +303,7 @@ int infer_openmp(void) { return 0; }
             free(t);                                                                                        \
             return 0;                                                                                       \
         }                                                                                                   \
-        int64_t par_work = rows * n;                                                                        \
-        (void)par_work;                                                                                     \
-        PAR_FOR                                                                                             \
+        PAR_FOR(rows * n)                                                                                   \
         for (int64_t r = 0; r < rows; r++) {                                                                \
             float t[4096];                                                                                  \
             rms_row_##SUF(x + r * xs, res ? res + r * rs : NULL, w, out + r * os,                           \
@@ -325,9 +324,7 @@ int infer_openmp(void) { return 0; }
         int64_t half = rot / 2, heads = hq + hk;                                                            \
         for (int64_t t = 0; t < ntok; t++)                                                                  \
             if (pos[t] < 0 || pos[t] >= npos) return -1;                                                    \
-        int64_t par_work = ntok * heads * d;                                                                \
-        (void)par_work;                                                                                     \
-        PAR_FOR                                                                                             \
+        PAR_FOR(ntok * heads * d)                                                                           \
         for (int64_t t = 0; t < ntok; t++) {                                                                \
             const float *c = cos_sin + pos[t] * rot, *s = c + half;                                         \
             for (int64_t h = 0; h < heads; h++) {                                                           \
@@ -357,9 +354,7 @@ int infer_openmp(void) { return 0; }
 /* ---- silu(x[:, :h]) * x[:, h:] ---------------------------------------------------- */
 #define DEF_SILU_AND_MUL(SUF, T, LD, ST)                                                                    \
     int infer_silu_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) {                \
-        int64_t par_work = rows * h;                                                                        \
-        (void)par_work;                                                                                     \
-        PAR_FOR                                                                                             \
+        PAR_FOR(rows * h)                                                                                   \
         for (int64_t r = 0; r < rows; r++) {                                                                \
             const T *g = x + r * xs, *u = g + h;                                                            \
             T *o = out + r * h;                                                                             \

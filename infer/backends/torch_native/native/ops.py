@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import library
+from . import library, openmp
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -42,14 +42,6 @@ def _lib(*tensors: torch.Tensor):
 _FUNCTIONS: dict = {}
 
 
-def _openmp(lib) -> bool:
-    """Whether the kernels split work over torch's own OpenMP threads."""
-    on = _FUNCTIONS.get("openmp")
-    if on is None:
-        on = _FUNCTIONS["openmp"] = bool(lib.infer_openmp())
-    return on
-
-
 def _fn(lib, name: str, dtype: torch.dtype):
     """The typed kernel ``infer_<name>_<f32|bf16>`` (looked up once)."""
     key = (name, dtype)
@@ -70,11 +62,11 @@ def _check(rc: int, what: str) -> None:
         raise MemoryError(f"{what}: the native kernel could not allocate its scratch")
 
 
-def _limit(lib, serial: int) -> int:
+def _limit(serial: int) -> int:
     """Rows up to which an elementwise kernel runs: on torch's OpenMP team a big call is split
     over its threads (kernels.c, PAR_FOR) and beat torch's ops at prefill sizes too; with the
     kernels' own pool it runs on one thread, up to `serial` rows."""
-    return 1 << 62 if _openmp(lib) else serial
+    return 1 << 62 if openmp() else serial
 
 
 def _rows(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
@@ -84,7 +76,7 @@ def _rows(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     args = (x, weight) if residual is None else (x, weight, residual)
     lib = _lib(*args)
-    if lib is None or not _rows(x, _limit(lib, MAX_ROWS)) or not weight.is_contiguous() or weight.shape != x.shape[1:]:
+    if lib is None or not _rows(x, _limit(MAX_ROWS)) or not weight.is_contiguous() or weight.shape != x.shape[1:]:
         return None
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         return None
@@ -108,7 +100,7 @@ def _heads(x: torch.Tensor, limit: int = MAX_ROWS) -> bool:
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox_style: bool):
     lib = _lib(q, k)
-    rows = _limit(lib, MAX_ROWS) if lib is not None else 0
+    rows = _limit(MAX_ROWS)
     if lib is None or not (_heads(q, rows) and _heads(k, rows)) or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         return None
     rot = cos_sin_cache.shape[1]
@@ -128,10 +120,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
 
 def silu_and_mul(x: torch.Tensor):
     lib = _lib(x)
-    if lib is None or not _rows(x, _limit(lib, SILU_MAX_ROWS)) or x.shape[1] % 2:
+    if lib is None or not _rows(x, _limit(SILU_MAX_ROWS)) or x.shape[1] % 2:
         return None
-    if SILU_MAX_ROWS < x.shape[0] and (x.dtype != torch.float32 or x.shape[0] < SILU_PAR_MIN_ROWS):
-        return None
+    if x.shape[0] > SILU_MAX_ROWS and (x.dtype != torch.float32 or x.shape[0] < SILU_PAR_MIN_ROWS):
+        return None  # on the team: float32 from SILU_PAR_MIN_ROWS only
     rows, h = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, h), dtype=x.dtype)
     _check(_fn(lib, "silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), rows, h),
@@ -196,7 +188,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
               meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale),
-              torch.get_num_threads() if _openmp(lib) else 1),
+              torch.get_num_threads() if openmp() else 1),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
 
