@@ -1,4 +1,4 @@
-"""The plugin registry: finds backends and architectures through pluggy, and
+"""The plugin registry: finds backends, architectures and output parsers through pluggy, and
 instantiates backends by name (`infer.dispatch.Ops` resolves their primitives)."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ BUILTIN_PLUGINS = (
     "infer.backends.cuda",
     "infer.backends.ascend",
     "infer.core.models",
+    "infer.server.tool_parsers",
+    "infer.server.reasoning",
 )
 # `--backend auto` takes the first available of these.
 AUTO_ORDER = ("cuda", "ascend", "torch")
@@ -44,6 +46,8 @@ class Registry:
     pm: pluggy.PluginManager
     backends: dict[str, BackendInfo] = field(default_factory=dict)
     models: dict[str, Any] = field(default_factory=dict)
+    tool_parsers: dict[str, type] = field(default_factory=dict)
+    reasoning_parsers: dict[str, type] = field(default_factory=dict)
     # Plugins that failed to load: name -> reason. Reported, never fatal.
     broken: dict[str, str] = field(default_factory=dict)
 
@@ -83,7 +87,26 @@ def build_registry(entry_points: bool = True) -> Registry:
             reg.backends[cls.name] = BackendInfo(cls.name, cls, label, _availability(cls), cls.description)
     for _, models in _per_plugin(reg, "infer_register_models"):
         reg.models.update(models or {})
+    reg.tool_parsers = _named_classes(reg, "infer_register_tool_parsers", "tool parser")
+    reg.reasoning_parsers = _named_classes(reg, "infer_register_reasoning_parsers", "reasoning parser")
     return reg
+
+
+def _named_classes(reg: Registry, hook_name: str, what: str) -> dict[str, type]:
+    """{name: class} from every plugin's `hook_name`; a name taken by an earlier plugin
+    (in-tree ones come first) keeps its class and the later plugin is reported."""
+    found: dict[str, type] = {}
+    owner: dict[str, str] = {}
+    for plugin, classes in _per_plugin(reg, hook_name):
+        label = _plugin_label(reg.pm, plugin)
+        for name, cls in (classes or {}).items():
+            if not isinstance(cls, type):
+                reg.broken[label] = f"registered {what} '{name}' as {cls!r}, which is not a class"
+            elif name in found:
+                reg.broken[label] = f"{what} name '{name}' already registered by {owner[name]}"
+            else:
+                found[name], owner[name] = cls, label
+    return found
 
 
 def _per_plugin(reg: Registry, hook_name: str):
@@ -134,3 +157,19 @@ def get_backend(name: str = "auto", device: str | None = None) -> Backend:
     if not info.available:
         raise BackendUnavailableError(f"backend '{name}' unavailable: {info.available.reason}")
     return info.cls(device=device)
+
+
+def _lookup(classes: dict[str, type], what: str, name: str) -> type:
+    if name not in classes:
+        raise ValueError(f"unknown {what} '{name}' (known: {', '.join(sorted(classes)) or 'none'})")
+    return classes[name]
+
+
+def get_tool_parser(name: str) -> type:
+    """The tool parser class registered as `name`; ValueError lists the known names."""
+    return _lookup(registry().tool_parsers, "tool parser", name)
+
+
+def get_reasoning_parser(name: str) -> type:
+    """The reasoning parser class registered as `name`; ValueError lists the known names."""
+    return _lookup(registry().reasoning_parsers, "reasoning parser", name)

@@ -33,7 +33,7 @@ def test_every_kernel_variant_compiles_for_sm90_and_sm80_within_shared_memory():
     kernels = {line.split()[1] for line in compiled}
     assert kernels == {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_write_kernel", "_rms_norm_kernel",
                        "_rotary_kernel", "_act_and_mul_kernel", "_gating_kernel", "_grouped_gemm_kernel",
-                       "_quant_linear_kernel"}, res.stdout
+                       "_quant_linear_kernel", "_token_bitmask_kernel"}, res.stdout
 
 
 # -- run in the child ---------------------------------------------------------------------
@@ -72,7 +72,7 @@ def _launch_every_variant():
     and prefill tiles, window/soft-cap, flash-decoding splits, fp8 caches."""
     import torch
 
-    from infer.backends.cuda import activation, attention, kv_write, moe, norm, quant_linear, rotary
+    from infer.backends.cuda import activation, attention, bitmask, kv_write, moe, norm, quant_linear, rotary
     from infer.primitives.types import AttentionMetadata, Fp8Weight, Int4GroupWeight, Int8GroupWeight
 
     def meta(q_lens, seq_lens):
@@ -120,6 +120,7 @@ def _launch_every_variant():
                       torch.zeros(2, dtype=torch.int64), torch.zeros(64, 128), neox)
     for kind in activation.KINDS:
         activation.act_and_mul(torch.zeros(2, 2 * 14336, dtype=bf16), kind)
+    bitmask.apply_token_bitmask(torch.zeros(4, 151936), torch.zeros(4, 4748, dtype=torch.int32))
     # moe's steps one by one: with launches recorded, not run, the gating
     # kernel's output is garbage that the alignment must not see.
     moe.route(torch.zeros(64, 8, dtype=bf16), 2, True)

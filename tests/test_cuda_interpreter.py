@@ -68,6 +68,8 @@ def test_cuda_conforms_to_cpu_ref_in_the_interpreter(group):
     for prim in ("kv_write", "attention"):  # fp8 caches exist (and were the kernels')
         if prim in GROUPS[group]:
             assert sum(r[1] == prim and "fp8_" in r[0] for r in results) >= 2
+    if "sample" in GROUPS[group]:  # structured-output cases exist (and were the bitmask kernel's)
+        assert sum(r[0].startswith("sample-bitmask_") for r in results) >= 5
     assert not wrong, f"served by another backend: {wrong}"
 
 
@@ -93,6 +95,10 @@ def test_split_kv_decoding_matches_one_pass_and_the_reference():
 
 def test_padding_requests_write_nothing_and_read_nothing():
     _check("check_padding_requests")
+
+
+def test_token_bitmask_kernel_matches_torch_and_leaves_the_logits_alone():
+    _check("check_token_bitmask")
 
 
 def test_tiny_llama_greedy_tokens_match_torch_and_transformers():
@@ -414,6 +420,49 @@ def check_padding_requests():
         out = backend.to_numpy(paged_attention(backend.asarray(q), cache, meta, x["scale"], num_splits=splits))
         np.testing.assert_allclose(out[: len(x["q"])], want, atol=1e-5, rtol=1e-5)
         assert not out[len(x["q"]):].any()
+
+
+def check_token_bitmask():
+    """The kernel gives torch's `apply_token_bitmask` on vocabularies that end mid-word and
+    mid-block, rows strided in memory and words with the sign bit set, as a new tensor; the
+    backend's `sample` launches it exactly when a bitmask is given."""
+    from dataclasses import replace
+
+    import torch
+
+    from infer.backends.cuda import CudaBackend, bitmask
+    from infer.backends.torch_native.sampling import apply_token_bitmask, sample as torch_sample
+    from infer.testing.inputs import sample as sample_inputs
+
+    gen = torch.Generator().manual_seed(0)
+    for b, v, width in ((3, 1000, 1000), (3, 100, 100), (3, 100, 130), (1, 2049, 2049)):
+        x = torch.randn(b, width, generator=gen)[:, :v]
+        words = torch.randint(-(2**31), 2**31, (b, -(-v // 32)), dtype=torch.int32, generator=gen)
+        before = x.clone()
+        got = bitmask.apply_token_bitmask(x, words)
+        assert torch.equal(got, apply_token_bitmask(x, words)), (b, v, width)
+        assert torch.equal(x, before) and got.data_ptr() != x.data_ptr()
+        assert got.isinf().any() and not got.isinf().all()
+
+    launches = []
+    kernel = bitmask._token_bitmask_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    bitmask._token_bitmask_kernel = Spy()
+    backend = CudaBackend()
+    x = sample_inputs(np.random.default_rng(0), "float32", temperature=[0.0, 0.0, 1.0], b=3, v=100, bitmask="one")
+    logits, params = torch.from_numpy(x["logits"]), backend.prepare_sampling(x["params"])
+    before = logits.clone()
+    got = backend.sample(logits, params)
+    assert launches == [(3, 1)]
+    assert torch.equal(logits, before)  # no penalty copied the logits first: the mask must not write them
+    assert torch.equal(got.token_ids, torch_sample(logits, params).token_ids)
+    backend.sample(logits, replace(params, token_bitmask=None))
+    assert launches == [(3, 1)]
 
 
 def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto", kv_scales=None):

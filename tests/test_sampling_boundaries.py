@@ -151,9 +151,9 @@ def test_token_histories_of_different_lengths_are_padded_with_minus_one_never_a_
     """Padding with 0 would penalise token 0 for every shorter row."""
     def row(prompt, output):
         return SimpleNamespace(params=SamplingParams(repetition_penalty=1.2), seed=0, banned_tokens=lambda: (),
-                               request=Request("r", prompt, output_token_ids=output))
+                               request=Request("r", prompt, output_token_ids=output), matcher=None)
 
-    t = build_sampling_tensors([row([5, 6, 7], [8]), row([9], [])])
+    t = build_sampling_tensors([row([5, 6, 7], [8]), row([9], [])], vocab_size=16)
     assert t.prompt_token_ids.tolist() == [[5, 6, 7], [9, -1, -1]]
     assert t.output_token_ids.tolist() == [[8], [-1]]
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import random
+import re
 
 import httpx
 import openai
@@ -174,6 +175,34 @@ def test_chat_greedy_equals_transformers_chat_streamed_or_not(server, oracle):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+RECORD = {"type": "object", "additionalProperties": False, "required": ["id", "tag"],
+          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tag": {"type": "string", "enum": ["red", "green"]}}}
+
+
+def test_structured_outputs_through_the_openai_client_streamed_or_not(client):
+    """A random tiny model only writes valid outputs because of the grammar; streamed
+    chunks reassemble to the whole response of the same seed."""
+    import jsonschema
+
+    so = {"structured_outputs": {"json": RECORD, "disable_any_whitespace": True}}
+    kw = dict(model="tiny-a", messages=[{"role": "user", "content": "a record"}], max_tokens=48, temperature=1.0,
+              seed=5, n=2, extra_body=so)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for c in whole.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), RECORD)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks
+                       if ch.choices and ch.choices[0].index == c.index) == c.message.content
+    regex = client.completions.create(model="tiny-b", prompt="call me at", max_tokens=20, temperature=1.0, seed=1,
+                                      n=3, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert all(re.fullmatch("[0-9]{3}-[0-9]{4}", c.text) for c in regex.choices), regex.choices
+    choice = client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "pick"}], n=4,
+                                            temperature=1.0, extra_body={"guided_choice": ["left", "right"]})
+    assert {c.message.content for c in choice.choices} <= {"left", "right"}
+
+
 def test_logprobs_of_greedy_tokens_are_the_top_ones(client):
     r = client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -278,7 +307,16 @@ BAD = [  # (path, body, status, param)
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema.schema"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format.json_schema"),
+    (COMP, {"prompt": "x", "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs.regex"),
+    (COMP, {"prompt": "x", "structured_outputs": {}}, 400, "structured_outputs"),
+    (COMP, {"prompt": "x", "structured_outputs": {"regex": "a", "json": {}}}, 400, "structured_outputs"),
+    (COMP, {"prompt": "x", "structured_outputs": {"choice": "yes"}}, 400, "structured_outputs"),
+    (CHAT, {"messages": MSG, "guided_regex": "a", "response_format": {"type": "json_object"}}, 400, "guided_*"),
+    (COMP, {"prompt": "x", "guided_grammar": 'root ::= "a" ( b'}, 400, "guided_grammar"),
     (COMP, {"prompt": "word " * 400}, 400, "prompt"),
     (COMP, {"prompt": []}, 400, "prompt"),
     (COMP, {"prompt": [[]]}, 400, "prompt"),

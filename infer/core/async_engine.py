@@ -103,6 +103,10 @@ class AsyncLLM:
         refuses the request, EngineDeadError when the engine has failed.
         Closing the iterator before the last output aborts the request.
         """
+        if params.structured_outputs is not None:
+            # Compiled on the grammar thread before the engine sees the request: a bad
+            # grammar is the caller's ValueError, and the step loop never waits for one.
+            await asyncio.wrap_future(self.engine.structured.compile(params.structured_outputs))
         stream = _Stream(asyncio.get_running_loop())
         with self._cv:
             if self.dead is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from concurrent import futures
+from concurrent.futures import Future
 import os
 import sys
 import time
@@ -33,6 +35,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, StepOutput, StepResult
 from .detokenizer import IncrementalDetokenizer
+from .structured import StructuredOutputs
 
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
 # at 1 GiB, so small runs do not reserve gigabytes (--kv-cache-memory raises it).
@@ -58,6 +61,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    # Grammar library for structured outputs: xgrammar, guidance (llguidance), or
+    # auto (xgrammar, llguidance for what xgrammar cannot compile).
+    structured_outputs_backend: str = "auto"
     seed: int = 0
     skip_tokenizer_init: bool = False
     show_progress: bool | None = None
@@ -260,6 +266,11 @@ class LLMEngine:
         self._completions: dict[SeqId, CompletionState] = {}
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self._decode_token = (lambda t: decode([t])) if decode is not None else (lambda t: None)
+        self.structured = StructuredOutputs(a.structured_outputs_backend, self.tokenizer, self.vocab_size,
+                                            self.eos_token_ids)
+        # Requests whose grammar is still compiling: (state, first request, compile future).
+        self._awaiting_grammar: list[tuple[RequestState, Request, Future]] = []
+        self._finished_unscheduled: set[str] = set()  # aborted while awaiting their grammar
 
     # -- distributed ---------------------------------------------------------------
     def _to_workers(self, message: tuple) -> None:
@@ -305,6 +316,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the worker ranks and leave the process group (nothing to do in one process)."""
+        if getattr(self, "structured", None) is not None:
+            self.structured.shutdown()
         d, self.dist = getattr(self, "dist", None), None
         if d is None:
             return
@@ -427,13 +440,41 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         if params.max_tokens is None or params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise ValueError(f"request {request_id!r}: {grammar.exception()}")
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
         req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
                       eos_token_ids=self.eos_token_ids)
-        self.scheduler.add_request(req)
         self._states[request_id] = state
+        if grammar is not None and not grammar.done():
+            self._awaiting_grammar.append((state, req, grammar))  # scheduled once it compiles
+            return
+        self.scheduler.add_request(req)
         self._track(state, req, 0)
+
+    def _admit_compiled(self) -> set[str]:
+        """Schedule the requests whose grammar finished compiling; a grammar that
+        failed ends its request ('abort', logged). Returns the ids that ended."""
+        if not self.scheduler.requests and not any(f.done() for _, _, f in self._awaiting_grammar):
+            # Nothing else to run: wait for a compile instead of spinning.
+            futures.wait([f for _, _, f in self._awaiting_grammar], timeout=0.5, return_when=futures.FIRST_COMPLETED)
+        waiting, ended = [], set()
+        for state, req, fut in self._awaiting_grammar:
+            if not fut.done():
+                waiting.append((state, req, fut))
+            elif fut.exception() is not None:
+                logging.getLogger("infer").error("request %r: %s", state.request_id, fut.exception())
+                req.status = RequestStatus.FINISHED_ABORTED
+                state.pending_forks = 0
+                self._track(state, req, 0)
+                ended.add(state.request_id)
+            else:
+                self.scheduler.add_request(req)
+                self._track(state, req, 0)
+        self._awaiting_grammar = waiting
+        return ended
 
     def _check_params(self, request_id: str, p: SamplingParams) -> None:
         # Checked here, not in the sampler: an out-of-vocabulary id would fail the
@@ -455,6 +496,8 @@ class LLMEngine:
         if self.tokenizer is not None and p.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.skip_special_tokens)
         comp = CompletionState(index, req, p, seed, detok)
+        if p.structured_outputs is not None and not req.is_finished:
+            comp.matcher = self.structured.compile(p.structured_outputs).result().matcher()
         state.completions.append(comp)
         self._completions[req.request_id] = comp
 
@@ -465,6 +508,13 @@ class LLMEngine:
         state.pending_forks = 0
         for c in state.completions:
             self.scheduler.abort_request(c.request.request_id)
+        for i, (s, req, _) in enumerate(self._awaiting_grammar):
+            if s is state:  # never scheduled: it ends with no completion
+                del self._awaiting_grammar[i]
+                req.status = RequestStatus.FINISHED_ABORTED
+                self._track(state, req, 0)
+                self._finished_unscheduled.add(request_id)
+                break
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -477,7 +527,9 @@ class LLMEngine:
         With pipeline stages (mp), up to `pipeline_parallel_size` steps are in
         flight: each call starts new steps on requests not already in one while
         there is room, then completes the oldest, so every stage has work."""
-        touched: set[str] = set()
+        touched: set[str] = self._admit_compiled() if self._awaiting_grammar else set()
+        touched |= self._finished_unscheduled
+        self._finished_unscheduled = set()
         if self._pipelined:
             depth = self.parallel.pipeline_parallel_size
             while len(self._in_flight) < depth:
@@ -494,7 +546,7 @@ class LLMEngine:
                 touched |= {s.request_id.request_id for s in launched.out.scheduled}
         else:
             out = self.scheduler.schedule()
-            touched = {rid.request_id for rid in out.finished_request_ids}
+            touched |= {rid.request_id for rid in out.finished_request_ids}
             if not out.is_empty:
                 self._process(*self._complete(self._launch(out)))
                 touched |= {s.request_id.request_id for s in out.scheduled}
@@ -561,7 +613,7 @@ class LLMEngine:
             return step, self.scheduler.update_from_output(out, step)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[be.asarray(np.array(rows, dtype=np.int64))]
-        params = be.prepare_sampling(build_sampling_tensors(comps))
+        params = be.prepare_sampling(build_sampling_tensors(comps, self.vocab_size))
         sampled = self._sample(logits, params)
         host = (lambda x: be.to_numpy(x) if x is not None else None)
         step = StepOutput([c.request.request_id for c in comps], host(sampled.token_ids), host(sampled.logprobs),
@@ -569,7 +621,7 @@ class LLMEngine:
         return step, self.scheduler.update_from_output(out, step)
 
     def _process(self, step: StepOutput, result: StepResult) -> None:
-        """Per new token: logprobs and text; a stop string found in the text ends its request."""
+        """Per new token: grammar, logprobs and text; a stop string or the grammar's end finishes its request."""
         stopped = []
         for p in result.progressed:
             if self._completions[p.request.request_id].on_token(step, p.row, self._decode_token) and p.status is None:

@@ -45,6 +45,9 @@ class LLM:
             rid = str(next(self._ids))
             order.append(rid)
             try:
+                if p is not None and p.structured_outputs is not None:
+                    # Compiled before it is queued, so a bad grammar is this prompt's error, not an abort.
+                    self.engine.structured.compile(p.structured_outputs).exception()
                 self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
             except (ValueError, TypeError) as exc:
                 results[rid] = _failed(rid, prompt, str(exc))

@@ -4,6 +4,7 @@ scheduler stops on tokens)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,9 @@ from .outputs import CompletionOutput, Logprob
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler_output import StepOutput
+from .structured import Matcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +32,7 @@ class CompletionState:
     logprobs: list[dict[int, Logprob]] | None = None
     stop_string: str | None = None  # the stop string that ended it
     first_token_time: float | None = None
+    matcher: Matcher | None = None  # structured outputs: where the output is in its grammar
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -54,23 +59,33 @@ class CompletionState:
         self.logprobs.append(entry)
 
     def on_token(self, step: StepOutput, row: int, decode) -> bool:
-        """Take the request's newest token (row `row` of `step`): logprobs, text,
-        stop strings. True when a stop string ends the completion here."""
+        """Take the request's newest token (row `row` of `step`): grammar, logprobs,
+        text, stop strings. True when a stop string or the grammar's end ends the
+        completion here."""
         req, p = self.request, self.params
         token = req.output_token_ids[-1]
+        ended_grammar = False
+        if self.matcher is not None:
+            if not self.matcher.accept(token):  # cannot happen to a token sampled under the mask
+                log.warning("request %s: token %d is outside its grammar; the rest is unconstrained",
+                            req.request_id, token)
+                self.matcher = None
+            else:
+                # The grammar's end ends the output, even before min_tokens or under ignore_eos.
+                ended_grammar = self.matcher.is_terminated()
         if self.first_token_time is None:
             self.first_token_time = time.time()
         self._record_logprobs(token, step, row, decode)
         if self.detokenizer is None or not p.detokenize:
-            return False
+            return ended_grammar
         delta = self.detokenizer.add(token)
         self.text += delta
         if not (p.stop_strings and delta and req.num_output_tokens >= p.min_tokens):
-            return False
+            return ended_grammar
         # A stop string wins over the token that may have ended the request too (as vLLM).
         hit = find_stop(self.text, len(delta), p.stop_strings)
         if hit is None:
-            return False
+            return ended_grammar
         idx, stop = hit
         self.text = self.text[: idx + len(stop)] if p.include_stop_str_in_output else self.text[:idx]
         self.stop_string = stop

@@ -16,7 +16,28 @@ def _padded(rows: list[list[int]]) -> np.ndarray:
     return out
 
 
-def build_sampling_tensors(rows: list[CompletionState]) -> SamplingTensors:
+def token_bitmask(rows: list[CompletionState], vocab_size: int) -> np.ndarray | None:
+    """The structured-output bitmask of a step's rows (all ones for a row without
+    a grammar), with each grammar row's banned tokens (EOS before min_tokens)
+    cleared unless the grammar allows nothing else; None when no row has one."""
+    if all(c.matcher is None for c in rows):
+        return None
+    mask = np.full((len(rows), -(-vocab_size // 32)), -1, dtype=np.int32)
+    for i, c in enumerate(rows):
+        if c.matcher is None or c.matcher.is_terminated():
+            continue
+        c.matcher.fill_bitmask(mask, i)
+        banned = [t for t in c.banned_tokens() if 0 <= t < vocab_size]
+        if banned:
+            row = mask[i].view(np.uint32).copy()
+            for t in banned:
+                row[t // 32] &= ~np.uint32(1 << (t % 32))
+            if row.any():
+                mask[i] = row.view(np.int32)
+    return mask
+
+
+def build_sampling_tensors(rows: list[CompletionState], vocab_size: int) -> SamplingTensors:
     ps = [c.params for c in rows]
     f32 = lambda xs: np.array(xs, dtype=np.float32)  # noqa: E731
     t = SamplingTensors(
@@ -37,7 +58,10 @@ def build_sampling_tensors(rows: list[CompletionState]) -> SamplingTensors:
         t.prompt_token_ids = _padded([c.request.prompt_token_ids for c in rows])
     if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
         t.output_token_ids = _padded([c.request.output_token_ids for c in rows])
-    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in c.banned_tokens()} for c in rows]
+    t.token_bitmask = token_bitmask(rows, vocab_size)
+    # A grammar row's bans are in its bitmask (where the grammar leaves another choice).
+    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if c.matcher else c.banned_tokens())}
+              for c in rows]
     if any(biases):
         t.logit_bias_ids = _padded([list(b) for b in biases])
         values = np.zeros(t.logit_bias_ids.shape, dtype=np.float32)

@@ -1,4 +1,4 @@
-"""pluggy hook specifications: how backends and model architectures join infer.
+"""pluggy hook specifications: how backends, model architectures and output parsers join infer.
 
 A plugin is any module or object with ``@hookimpl`` functions. In-tree backends
 register through these hooks exactly like third-party ones; a third-party
@@ -34,4 +34,16 @@ class InferHookSpec:
 
         The architecture name is the one in a transformers ``config.json``
         ``architectures`` list (e.g. ``"LlamaForCausalLM"``).
+        """
+
+    @hookspec
+    def infer_register_tool_parsers(self) -> dict[str, type]:
+        """Return ``{name: ToolParser subclass}`` (`infer.server.tool_parsers`): how tool
+        calls are read out of a model's text. A name already taken is reported, not replaced.
+        """
+
+    @hookspec
+    def infer_register_reasoning_parsers(self) -> dict[str, type]:
+        """Return ``{name: ReasoningParser subclass}`` (`infer.server.reasoning`): how
+        reasoning is split from content. A name already taken is reported, not replaced.
         """

@@ -70,8 +70,9 @@ moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None
 
 sample(logits, params) -> SampleOutput
     logits [B, V] float32 with a `SamplingTensors` row per request; see
-    `SamplingTensors` for the exact order of penalties, filters and the seeded
-    Gumbel noise that makes a seed give the same token on every backend.
+    `SamplingTensors` for the exact order of penalties, the structured-output
+    token bitmask, filters and the seeded Gumbel noise that makes a seed give
+    the same token on every backend.
 
 all_reduce(x, group=None) -> x summed over the ranks of a torch.distributed group
     (x itself may be overwritten; use the result).
@@ -254,6 +255,14 @@ def check_sample(logits, params) -> None:
         raise PrimitiveArgumentError("sample", "params", f"must be SamplingTensors, got {type(params).__name__}")
     if params.num_seqs != b:
         raise PrimitiveArgumentError("sample", "params", f"has {params.num_seqs} rows but logits has {b}")
+    mask = params.token_bitmask
+    if mask is not None:
+        words = -(-int(logits.shape[1]) // 32)
+        if tuple(int(s) for s in getattr(mask, "shape", ())) != (b, words) or dtype_name(mask) != "int32":
+            raise PrimitiveArgumentError("sample", "params.token_bitmask",
+                                         f"must be int32 [{b}, {words}] (ceil(V / 32) words per row), got "
+                                         f"{dtype_name(mask) if hasattr(mask, 'dtype') else type(mask).__name__} "
+                                         f"{list(getattr(mask, 'shape', []))}")
 
 
 def check_all_reduce(x, group=None) -> None:

@@ -112,7 +112,9 @@ class SamplingTensors:
       2. penalties on the raw logits: repetition (tokens seen in prompt or output:
          positive logits divided by r, negative multiplied by r), then
          frequency (minus f * count in output) and presence (minus p if seen in
-         output); then ``logit_bias`` is added (a repeated id adds up).
+         output); then ``logit_bias`` is added (a repeated id adds up); then
+         ``token_bitmask`` (structured outputs) sets every token it does not
+         allow to -inf, so no later step and no bias can bring one back.
       3. greedy rows (temperature == 0) take the argmax (lowest id on ties).
       4. other rows: divide by temperature; min_p keeps tokens with
          prob >= min_p * max prob; top_k keeps the k largest logits (ties at the
@@ -141,6 +143,12 @@ class SamplingTensors:
                          a penalty.
       logit_bias_ids     [B, Lb] int64 padded with -1, or None.
       logit_bias_values  [B, Lb] float32 (-inf bans a token), or None.
+      token_bitmask      [B, ceil(V / 32)] int32, or None when no row is
+                         constrained: bit ``t % 32`` (least significant first)
+                         of word ``t // 32`` set allows token ``t`` (xgrammar's
+                         and llguidance's layout). An unconstrained row is all
+                         ones; bits past V are ignored. The core guarantees a
+                         row allows at least one token.
       max_num_logprobs   int, how many top logprobs to return per row (0: none).
     """
 
@@ -157,6 +165,7 @@ class SamplingTensors:
     output_token_ids: Any = None
     logit_bias_ids: Any = None
     logit_bias_values: Any = None
+    token_bitmask: Any = None
     max_num_logprobs: int = 0
 
     @property

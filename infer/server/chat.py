@@ -17,7 +17,6 @@ from .protocol import ChatCompletionRequest
 
 
 async def create_chat_completion(body: ChatCompletionRequest, model: ServedModel, raw: Request) -> Response:
-    body.check_supported()
     params = body.to_sampling_params(model.sampling_defaults())
     ids = model.chat_prompt([m.for_template() for m in body.messages], body.add_generation_prompt)
     gen = Generation(model, f"chatcmpl-{uuid.uuid4().hex}", params, body.priority)

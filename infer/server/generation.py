@@ -43,7 +43,10 @@ class Generation:
                 self.abort()
                 message = str(exc).replace(f"request {rid!r}: ", "")
                 field = re.search(r"SamplingParams\.(\w+)", message)
-                raise APIError(400, message.replace("SamplingParams.", ""), field[1] if field else "prompt") from None
+                spec = self.params.structured_outputs
+                param = spec.field_name if spec is not None and message.startswith(spec.field_name) else (
+                    field[1] if field else "prompt")
+                raise APIError(400, message.replace("SamplingParams.", ""), param) from None
             except EngineDeadError as exc:
                 self.abort()
                 raise APIError(503, str(exc)) from None

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.sampling_params import SamplingParams
+from ..core.structured import StructuredOutputsParams
 from .errors import APIError
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs too
@@ -52,9 +53,54 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and
+    # vLLM's older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _max_tokens(self) -> int | None:
         raise NotImplementedError
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The request's grammar, from whichever one field sets it; 400 naming the field when it is malformed."""
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        rf = self.response_format
+        rf_type = rf.get("type", "text") if isinstance(rf, dict) else "text"
+        sources = [name for name, on in (("response_format", rf_type != "text"),
+                                         ("structured_outputs", self.structured_outputs is not None),
+                                         ("guided_*", bool(guided))) if on]
+        if len(sources) > 1:
+            raise APIError(400, f"set one of {' and '.join(sources)}, not both", sources[1])
+        try:
+            if rf_type == "json_object":
+                return StructuredOutputsParams(json_object=True, source="response_format")
+            if rf_type == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                                   "response_format.json_schema.schema")
+                return StructuredOutputsParams(json=schema, source="response_format.json_schema")
+            if rf_type != "text":
+                raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {rf_type!r}",
+                               "response_format.type")
+            if self.structured_outputs is not None:
+                return StructuredOutputsParams.coerce(self.structured_outputs)
+            if len(guided) > 1:
+                raise APIError(400, f"set one of {', '.join('guided_' + k for k in guided)}", "guided_" + list(guided)[1])
+            for kind, value in guided.items():
+                return StructuredOutputsParams(**{kind: value}, whitespace_pattern=self.guided_whitespace_pattern,
+                                               source=f"guided_{kind}")
+        except ValueError as exc:
+            field = sources[0] if sources[0] != "guided_*" else f"guided_{next(iter(guided))}"
+            raise APIError(400, str(exc), field) from None
+        return None
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -87,6 +133,7 @@ class _Sampling(BaseModel):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=self._num_logprobs(),
                 logit_bias=bias, skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=self.structured_spec(),
             )
         except ValueError as exc:  # "SamplingParams.top_p must be in (0, 1], got 5.0"
             msg = str(exc)
@@ -158,7 +205,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -169,11 +215,6 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def check_supported(self) -> None:
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than 'text' (structured output) is not supported",
-                           "response_format")
 
 
 class TokenizeRequest(BaseModel):

@@ -134,6 +134,14 @@ _SAMPLE_SPECS = [
     ("logprobs", dict(temperature=[0.0, 1.0, 0.7, 0.0], logprobs=5, penalties=True)),
     ("one_request", dict(b=1, temperature=1.0, logprobs=2)),
     ("empty_batch", dict(b=0, temperature=1.0)),
+    # Structured outputs: a bitmask under every other setting; row 0 unconstrained.
+    ("bitmask_greedy", dict(temperature=0.0, bitmask=True)),
+    ("bitmask_one_allowed", dict(b=8, temperature=[0.0, 1.0, 0.5, 2.0] * 2, top_k=[0, 3] * 4, bitmask="one")),
+    ("bitmask_filters", dict(b=8, temperature=[0.7, 1.0, 1.3, 0.9] * 2, top_k=[0, 5, 0, 3] * 2,
+                             top_p=[1.0, 0.9, 0.5, 1.0] * 2, min_p=[0.1, 0.0, 0.0, 0.05] * 2, bitmask=True)),
+    ("bitmask_bias_penalties_logprobs", dict(temperature=[0.0, 0.8, 0.0, 1.0], bitmask=True, logit_bias=True,
+                                             penalties=True, logprobs=3)),
+    ("bitmask_vocab100", dict(v=100, temperature=[0.0, 1.0, 0.0, 0.6], bitmask=True)),
     ("vocab1000", dict(v=1000, temperature=[0.0, 1.0, 0.6, 1.2], top_k=[0, 50, 0, 10], top_p=[1.0, 0.9, 0.7, 1.0])),
 ]
 

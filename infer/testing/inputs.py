@@ -185,8 +185,37 @@ def _padded(rows: list[np.ndarray], dt=np.int64, fill=-1) -> np.ndarray:
     return out
 
 
+def token_bitmask(rng, logits: np.ndarray, density: float | None = 0.3, banned=()) -> np.ndarray:
+    """A structured-output bitmask [B, ceil(V/32)] int32 for `logits` [B, V].
+
+    Row 0 is unconstrained (all ones), so a mixed batch is checked. Every
+    other row allows a random share `density` of the vocabulary (exactly one
+    token when density is None) but never its best logit nor the ids in
+    `banned[row]`, so the mask always changes the answer; the bits past V are
+    random, since the contract says they are ignored."""
+    b, v = logits.shape
+    words = -(-v // 32)
+    bits = rng.random((b, words * 32)) < (density or 0.0)
+    bits[:, v:] = rng.random((b, words * 32 - v)) < 0.5
+    for r in range(1, b):
+        row = bits[r, :v]
+        if density is None:
+            row[:] = False
+        row[int(np.argmax(logits[r]))] = False
+        for t in (banned[r] if r < len(banned) else ()):
+            if t >= 0:
+                row[int(t)] = False
+        if not row.any() or density is None:  # the core guarantees one allowed token
+            choices = np.flatnonzero(~np.isin(np.arange(v), [int(np.argmax(logits[r])), *list(banned[r] if r < len(banned) else ())]))
+            row[int(rng.choice(choices))] = True
+    if b:
+        bits[0] = True
+    packed = (bits.reshape(b, words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(axis=2)
+    return packed.astype(np.uint32).view(np.int32)
+
+
 def sample(rng, dtype, temperature, b=4, v=96, top_k=0, top_p=1.0, min_p=0.0, penalties=False,
-           logit_bias=False, logprobs=0, ties=0, same_seed=False):
+           logit_bias=False, logprobs=0, ties=0, same_seed=False, bitmask=False):
     logits = (rng.standard_normal((b, v)) * 3.0).astype(np.float32)
     for row in logits if ties else ():  # `ties` ids share the row maximum, well above the rest
         row[rng.choice(v, ties, replace=False)] = row.max() + 2.0
@@ -221,6 +250,11 @@ def sample(rng, dtype, temperature, b=4, v=96, top_k=0, top_p=1.0, min_p=0.0, pe
         if b:
             values[0, 0] = -np.inf
         params["logit_bias_values"] = values.astype(np.float32)
+    if bitmask:  # "one": a single allowed token per constrained row; else a random share
+        # The biased ids of the constrained rows are masked out: no bias brings a token back.
+        biased = params.get("logit_bias_ids")
+        params["token_bitmask"] = token_bitmask(rng, logits, None if bitmask == "one" else 0.3,
+                                                biased if biased is not None else ())
     return {"logits": logits, "params": SamplingTensors(**params)}
 
 

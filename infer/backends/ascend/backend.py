@@ -6,7 +6,8 @@ attention (npu_fused_infer_attention_score over the planner's tiles), moe
 (gating top-k, init routing v2, grouped matmul, token unpermute) and linear
 (SmoothGEMM row tiles; int4/int8 group-quantized weights through
 npu_weight_quant_batchmatmul, fp16/bf16 activations). Everything else, and what `supports` declines, is the
-`torch` backend's code running on the NPU.
+`torch` backend's code running on the NPU: `sample` among them, its
+structured-output token bitmask included.
 """
 
 from __future__ import annotations

@@ -39,7 +39,15 @@ def apply_penalties(x: np.ndarray, p: SamplingTensors, b: int) -> np.ndarray:
         ids = p.logit_bias_ids[b]
         keep = ids >= 0
         np.add.at(x, ids[keep].astype(np.int64), p.logit_bias_values[b][keep].astype(np.float64))
+    if p.token_bitmask is not None:
+        x = np.where(allowed(p.token_bitmask[b], x.shape[0]), x, -np.inf)
     return x
+
+
+def allowed(words: np.ndarray, vocab: int) -> np.ndarray:
+    """[V] bool from one row of a structured-output bitmask: bit t % 32 of word t // 32."""
+    bits = (words.astype(np.int64)[:, None] >> np.arange(32)) & 1
+    return bits.reshape(-1)[:vocab].astype(bool)
 
 
 def filter_logits(x: np.ndarray, p: SamplingTensors, b: int) -> np.ndarray:

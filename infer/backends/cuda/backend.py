@@ -2,10 +2,12 @@
 
 What runs where is declared, not patched: `NATIVE` lists the primitives this
 backend implements with its own kernels; everything else (embedding, dense
-linear, sample, collectives) is resolved to the `torch` backend on the same
-device by `fallback`. `linear` is its own only for quantized weights
-(`weight_kinds`): dense GEMMs stay with torch, that is cuBLAS. The KV layout is torch's, so kv_write, attention and copy_blocks
-agree whichever side serves them.
+linear, collectives) is resolved to the `torch` backend on the same device by
+`fallback`. `linear` is its own only for quantized weights (`weight_kinds`):
+dense GEMMs stay with torch, that is cuBLAS. `sample` is torch's code with its
+structured-output bitmask step done by a Triton kernel (`bitmask.py`). The KV
+layout is torch's, so kv_write, attention and copy_blocks agree whichever side
+serves them.
 
 The kernel modules are imported on first use: registering the plugin must
 stay cheap, and `@triton.jit` fixes interpreter-or-GPU when it runs, so it
@@ -21,7 +23,7 @@ from ...primitives.types import QUANTIZED_KINDS, Support
 from ...primitives.torch_tensors import TorchTensors
 from .launch import interpreting
 
-NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe", "linear")
+NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe", "linear", "sample")
 INTERPRETER_NOTE = "Triton interpreter mode (TRITON_INTERPRET=1): kernels run on the CPU, for testing only"
 
 
@@ -103,3 +105,9 @@ class CudaBackend(TorchTensors):
         from .moe import moe
 
         return moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate)
+
+    def sample(self, logits, params):
+        from ..torch_native.sampling import sample
+        from .bitmask import apply_token_bitmask
+
+        return sample(logits, params, mask_tokens=apply_token_bitmask)

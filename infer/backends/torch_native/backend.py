@@ -80,6 +80,9 @@ class TorchBackend(TorchTensors):
     kv_write = staticmethod(kv_write)
     attention = staticmethod(attention)
     moe = staticmethod(moe)
-    sample = staticmethod(sample)
+
+    def sample(self, logits, params):
+        return sample(logits, params)
+
     all_reduce = staticmethod(collectives.all_reduce)
     all_gather = staticmethod(collectives.all_gather)

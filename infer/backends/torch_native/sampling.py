@@ -28,6 +28,17 @@ def _token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts.scatter_add_(1, ids.clamp(min=0), keep.float())
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] bool from a structured-output bitmask [B, ceil(V/32)] int32: bit t % 32 of word t // 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf on every token the bitmask does not allow (a new tensor)."""
+    return x.masked_fill(~allowed_tokens(bitmask, x.shape[1]), NEG_INF)
+
+
 def apply_penalties(x: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """Repetition, frequency and presence penalties, then the logit bias (a new tensor when any applies)."""
     vocab = x.shape[1]
@@ -102,10 +113,14 @@ def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     return noisy.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors) -> SampleOutput:
+def sample(logits: torch.Tensor, params: SamplingTensors, mask_tokens=apply_token_bitmask) -> SampleOutput:
+    """The torch `sample`; `mask_tokens(x, bitmask)` is the step a backend with
+    its own kernel for the structured-output mask replaces (cuda: Triton)."""
     n, vocab = logits.shape
     raw = torch.log_softmax(logits.float(), dim=-1)
     x = apply_penalties(logits.float(), params)
+    if params.token_bitmask is not None:
+        x = mask_tokens(x, params.token_bitmask)
     greedy = params.temperature == 0
     tokens = torch.zeros(n, dtype=torch.int64, device=logits.device)
     if bool(greedy.any()):
