@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
+                   help="grammar library for structured outputs (auto: xgrammar, llguidance for what it cannot compile)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split <think>...</think> reasoning from the answer (deepseek_r1, qwen3, or a plugin's); "
+                        "structured outputs then constrain the answer after the reasoning")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
                    help="auto: keep a quantized checkpoint (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8) quantized with a 16-bit "
                         "--dtype (dequantized for float32); "
@@ -59,6 +64,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
              "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
+             "structured_outputs_backend", "reasoning_parser",
              "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
              "master_addr", "master_port")

@@ -38,12 +38,12 @@ def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def make_tiny_model_dir(path: Path, seed: int = 0) -> Path:
+def make_tiny_model_dir(path: Path, seed: int = 0, max_positions: int = 256) -> Path:
     """Save a tiny random Llama, its tokenizer (vocab 320) and a ChatML template to `path`."""
     fast = make_tokenizer()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                                    bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
     model = transformers.LlamaForCausalLM(cfg).eval()
     for p in model.parameters():  # larger than the init so greedy outputs vary with the prompt

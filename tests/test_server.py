@@ -298,6 +298,13 @@ def test_probes_need_no_key(server):
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 BAD = [  # (path, body, status, param)
     (COMP, b"{not json", 400, None),
     (COMP, b"[1, 2]", 400, None),
@@ -316,6 +323,13 @@ BAD = [  # (path, body, status, param)
     (COMP, {"prompt": "x", "structured_outputs": {"regex": "a", "json": {}}}, 400, "structured_outputs"),
     (COMP, {"prompt": "x", "structured_outputs": {"choice": "yes"}}, 400, "structured_outputs"),
     (CHAT, {"messages": MSG, "guided_regex": "a", "response_format": {"type": "json_object"}}, 400, "guided_*"),
+    (CHAT, {"messages": MSG, "tools": TOOLS}, 400, "tool_choice"),  # auto needs --enable-auto-tool-choice
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     400, "tool_choice"),
     (COMP, {"prompt": "x", "guided_grammar": 'root ::= "a" ( b'}, 400, "guided_grammar"),
     (COMP, {"prompt": "word " * 400}, 400, "prompt"),
     (COMP, {"prompt": []}, 400, "prompt"),

@@ -133,6 +133,8 @@ def test_min_tokens_bans_eos_only_while_the_grammar_allows_more():
                 mask[row, t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(2**31))
 
     class Row:
+        reasoning = None
+
         def __init__(self, allowed, banned):
             self.matcher, self._banned = Fixed(allowed), banned
 
@@ -271,3 +273,41 @@ def test_sampling_params_take_a_dict_and_refuse_unknown_fields():
         SamplingParams(structured_outputs={"regexp": "a+"})
     with pytest.raises(ValueError, match="structured_outputs_backend"):
         StructuredOutputs("outlines", None, 10, ())
+
+
+def test_the_grammar_waits_for_the_end_of_the_reasoning(model_dir):
+    """deepseek_r1: reasoning until "</think>"; the tokens up to it are neither masked nor fed to the grammar."""
+    from infer.core.detokenizer import IncrementalDetokenizer
+    from infer.core.request import Request
+    from infer.core.request_state import CompletionState
+    from infer.core.scheduler_output import StepOutput
+    from infer.server.reasoning import DeepSeekR1ReasoningParser
+
+    class Recorder:
+        def __init__(self):
+            self.accepted = []
+
+        def accept(self, token):
+            self.accepted.append(token)
+            return True
+
+        def is_terminated(self):
+            return False
+
+        def fill_bitmask(self, mask, row):
+            mask[row] = 0
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok("q", add_special_tokens=False).input_ids
+    reasoning = tok("mull it over</think>", add_special_tokens=False).input_ids
+    answer = tok("ab", add_special_tokens=False).input_ids
+    req = Request("r", prompt)
+    comp = CompletionState(0, req, SamplingParams(structured_outputs=S(regex="ab")), 0,
+                           IncrementalDetokenizer(tok, prompt), matcher=Recorder(),
+                           reasoning=DeepSeekR1ReasoningParser())
+    for i, t in enumerate(reasoning + answer):
+        waiting = i < len(reasoning)
+        assert (token_bitmask([comp], len(tok)) is None) == waiting
+        req.append_output_token(t)
+        comp.on_token(StepOutput(["r"], np.array([t]), np.array([0.0], np.float32)), 0, tok.decode)
+    assert comp.reasoning is None and comp.matcher.accepted == answer

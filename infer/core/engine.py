@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..dispatch import DispatchTrace, Ops
-from ..registry import get_backend, registry
+from ..registry import get_backend, get_reasoning_parser, registry
 from ..primitives.types import AttentionMetadata
 from . import distributed
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
@@ -64,6 +64,9 @@ class EngineArgs:
     # Grammar library for structured outputs: xgrammar, guidance (llguidance), or
     # auto (xgrammar, llguidance for what xgrammar cannot compile).
     structured_outputs_backend: str = "auto"
+    # A reasoning parser's name (deepseek_r1, qwen3, a plugin's): structured outputs
+    # then constrain only the answer after the reasoning's end marker.
+    reasoning_parser: str | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
     show_progress: bool | None = None
@@ -268,6 +271,7 @@ class LLMEngine:
         self._decode_token = (lambda t: decode([t])) if decode is not None else (lambda t: None)
         self.structured = StructuredOutputs(a.structured_outputs_backend, self.tokenizer, self.vocab_size,
                                             self.eos_token_ids)
+        self.reasoning = get_reasoning_parser(a.reasoning_parser)() if a.reasoning_parser else None
         # Requests whose grammar is still compiling: (state, first request, compile future).
         self._awaiting_grammar: list[tuple[RequestState, Request, Future]] = []
         self._finished_unscheduled: set[str] = set()  # aborted while awaiting their grammar
@@ -498,6 +502,10 @@ class LLMEngine:
         comp = CompletionState(index, req, p, seed, detok)
         if p.structured_outputs is not None and not req.is_finished:
             comp.matcher = self.structured.compile(p.structured_outputs).result().matcher()
+            if self.reasoning is not None and detok is not None:
+                # The grammar waits for the end of the reasoning, unless the prompt already closed it.
+                tail = self.tokenizer.decode(state.prompt_token_ids[-64:])
+                comp.reasoning = None if _closed(tail, self.reasoning) else self.reasoning
         state.completions.append(comp)
         self._completions[req.request_id] = comp
 
@@ -639,6 +647,12 @@ class LLMEngine:
                              [c.output() for c in state.completions], finished, metrics)
 
 
+def _closed(text: str, parser) -> bool:
+    """The text's last reasoning block is closed (its end marker follows its last start marker)."""
+    end = text.rfind(parser.end_marker)
+    return end != -1 and end > text.rfind(parser.start_marker)
+
+
 def _check_args(a: EngineArgs) -> None:
     """Reject what the engine would otherwise silently replace (0 read as 'unset'), before loading anything."""
     for name in ("max_model_len", "block_size", "num_gpu_blocks_override", "kv_cache_memory"):
@@ -649,6 +663,8 @@ def _check_args(a: EngineArgs) -> None:
         graph_batch_sizes(a.max_num_seqs, a.cuda_graph_sizes)  # raises on a bad size
     if a.kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {a.kv_cache_dtype!r}")
+    if a.reasoning_parser is not None:
+        get_reasoning_parser(a.reasoning_parser)  # raises, naming the known parsers
     if a.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {a.quantization!r}")
     if a.scheduling_policy not in POLICIES:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .outputs import CompletionOutput, Logprob
@@ -33,6 +34,8 @@ class CompletionState:
     stop_string: str | None = None  # the stop string that ended it
     first_token_time: float | None = None
     matcher: Matcher | None = None  # structured outputs: where the output is in its grammar
+    # The reasoning parser while the grammar waits for the reasoning to end (then None).
+    reasoning: Any = None
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -65,7 +68,8 @@ class CompletionState:
         req, p = self.request, self.params
         token = req.output_token_ids[-1]
         ended_grammar = False
-        if self.matcher is not None:
+        waiting = self.reasoning is not None
+        if self.matcher is not None and not waiting:
             if not self.matcher.accept(token):  # cannot happen to a token sampled under the mask
                 log.warning("request %s: token %d is outside its grammar; the rest is unconstrained",
                             req.request_id, token)
@@ -80,6 +84,8 @@ class CompletionState:
             return ended_grammar
         delta = self.detokenizer.add(token)
         self.text += delta
+        if waiting and self.reasoning.reasoning_ended(self.text):
+            self.reasoning = None  # the grammar starts with the next token
         if not (p.stop_strings and delta and req.num_output_tokens >= p.min_tokens):
             return ended_grammar
         # A stop string wins over the token that may have ended the request too (as vLLM).

@@ -16,15 +16,21 @@ def _padded(rows: list[list[int]]) -> np.ndarray:
     return out
 
 
+def _constrained(c: CompletionState) -> bool:
+    """The row's grammar decides its next token (it has one, not waiting for the reasoning, not ended)."""
+    return c.matcher is not None and c.reasoning is None and not c.matcher.is_terminated()
+
+
 def token_bitmask(rows: list[CompletionState], vocab_size: int) -> np.ndarray | None:
     """The structured-output bitmask of a step's rows (all ones for a row without
     a grammar), with each grammar row's banned tokens (EOS before min_tokens)
     cleared unless the grammar allows nothing else; None when no row has one."""
-    if all(c.matcher is None for c in rows):
+    constrained = [_constrained(c) for c in rows]
+    if not any(constrained):
         return None
     mask = np.full((len(rows), -(-vocab_size // 32)), -1, dtype=np.int32)
     for i, c in enumerate(rows):
-        if c.matcher is None or c.matcher.is_terminated():
+        if not constrained[i]:
             continue
         c.matcher.fill_bitmask(mask, i)
         banned = [t for t in c.banned_tokens() if 0 <= t < vocab_size]
@@ -60,7 +66,7 @@ def build_sampling_tensors(rows: list[CompletionState], vocab_size: int) -> Samp
         t.output_token_ids = _padded([c.request.output_token_ids for c in rows])
     t.token_bitmask = token_bitmask(rows, vocab_size)
     # A grammar row's bans are in its bitmask (where the grammar leaves another choice).
-    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if c.matcher else c.banned_tokens())}
+    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if _constrained(c) else c.banned_tokens())}
               for c in rows]
     if any(biases):
         t.logit_bias_ids = _padded([list(b) for b in biases])

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import sys
+from pathlib import Path
 
 from ..cli_model import add_engine_args, engine_args
 
@@ -32,6 +33,13 @@ def add_serve(sub) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--headless", action="store_true",
                    help="a worker node of a multi-node job (--nnodes, --node-rank >= 1): run its ranks, serve no API")
+    t = p.add_argument_group("chat: templates, tools, reasoning")
+    t.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file that replaces the model's own")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto'); needs --tool-call-parser")
+    t.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how tool calls are read from the model's text: hermes, llama3_json, or a plugin's")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -54,6 +62,18 @@ def build(args: argparse.Namespace):
     from .metrics import Metrics
     from .models import ModelRegistry, ServedModel
 
+    from ..registry import get_reasoning_parser, get_tool_parser
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, ...)")
+    tool_parser = get_tool_parser(args.tool_call_parser)() if args.tool_call_parser else None
+    reasoning = get_reasoning_parser(args.reasoning_parser)() if args.reasoning_parser else None
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise ValueError(f"--chat-template: cannot read {args.chat_template}: {exc.strerror}") from None
     dp = args.data_parallel_size
     if dp > 1 and args.nnodes > 1:
         raise ValueError("--data-parallel-size with --nnodes > 1 is not supported yet: run the replicas on one node")
@@ -63,9 +83,12 @@ def build(args: argparse.Namespace):
         for model, name in _names(args):
             for i in range(dp):  # each replica its own engine (and its own ranks, on its own devices)
                 engine = LLMEngine(engine_args(args, model=model, show_progress=False, data_parallel_rank=i))
+                if template is not None:
+                    engine.chat_template = template
                 replicas.append(AsyncLLM(engine, [metrics.logger(name, engine.expert_load, engine=i)]))
             llm = replicas[-1] if dp == 1 else DataParallelLLM(replicas[-dp:])
-            served.append(ServedModel(name, llm))
+            served.append(ServedModel(name, llm, tool_parser=tool_parser, auto_tool_choice=args.enable_auto_tool_choice,
+                                      reasoning=reasoning))
         registry = ModelRegistry(served)
     except BaseException:
         for r in replicas:

@@ -20,6 +20,10 @@ class ServedModel:
     name: str
     llm: AsyncLLM
     created: int = field(default_factory=lambda: int(time.time()))
+    # --tool-call-parser (with --enable-auto-tool-choice: tool_choice 'auto' allowed) and --reasoning-parser
+    tool_parser: Any = None
+    auto_tool_choice: bool = False
+    reasoning: Any = None
 
     def __post_init__(self):
         # The engine thread detokenizes with its tokenizer while the event loop
@@ -48,15 +52,20 @@ class ServedModel:
                                 "send prompts as token ids")
         return tok
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation under the model's chat template."""
+    @property
+    def template_takes_tools(self) -> bool:
+        return "tools" in (self.engine.chat_template or "")
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation under the model's chat template (`tools` go to a template that reads them)."""
         tok = self.tokenizer("apply a chat template")
         template = self.engine.chat_template
         if template is None:
             raise APIError(400, f"model '{self.name}' has no chat template; use /v1/completions", "messages")
         try:
             ids = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, return_dict=False)
+                                          tokenize=True, return_dict=False, tools=tools)
         except Exception as exc:  # jinja raises on conversations the template forbids (role order, ...)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
         return [int(t) for t in ids]
