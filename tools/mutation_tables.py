@@ -24,7 +24,8 @@ TESTS = {
     "infer/core/detokenizer.py": ENGINE,
     "infer/core/request_state.py": ENGINE,
     "infer/core/sampling_params.py": ["tests/test_sampling_boundaries.py", *ENGINE],
-    "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE],
+    "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE, "tests/test_structured_outputs.py"],
+    "infer/core/structured.py": ["tests/test_structured_outputs.py"],
     "infer/core/outputs.py": ["tests/test_outputs.py", *ENGINE],
     "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py", "tests/test_scheduler_pipeline.py"],
     # Distributed serving: the one-process tests of the sharded graph first, then real gloo ranks.
