@@ -311,3 +311,24 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(model_dir):
         req.append_output_token(t)
         comp.on_token(StepOutput(["r"], np.array([t]), np.array([0.0], np.float32)), 0, tok.decode)
     assert comp.reasoning is None and comp.matcher.accepted == answer
+
+
+def test_torch_bitmask_byte_table_equals_the_bit_by_bit_expansion(monkeypatch):
+    """The little-endian byte-table path and the shift path (other hosts) agree, bit for bit."""
+    import sys
+
+    import torch
+
+    from infer.backends.torch_native.sampling import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (100, 1000, 49152):
+        x = torch.randn(3, vocab, generator=g)
+        mask = torch.randint(-(2**31), 2**31 - 1, (3, -(-vocab // 32)), dtype=torch.int32, generator=g)
+        fast = apply_token_bitmask(x, mask)
+        monkeypatch.setattr(sys, "byteorder", "big")
+        slow = apply_token_bitmask(x, mask)
+        monkeypatch.setattr(sys, "byteorder", "little")
+        expected = [[bool((int(mask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
+        assert torch.equal(torch.isfinite(fast), torch.tensor(expected)) and torch.equal(fast, slow)
+        assert torch.equal(fast[torch.isfinite(fast)], x[torch.isfinite(fast)])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .reasoning import ReasoningParser
-from .tool_parsers import ToolCall, ToolParser
+from .tool_parsers import ToolParser
 
 
 def call_id() -> str:
@@ -137,5 +137,3 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     """OpenAI's 'tool_calls' when a choice that ended normally called tools."""
     return "tool_calls" if has_calls and reason == "stop" else reason
 
-
-__all__ = ["ChoiceStream", "Message", "ToolCall", "ToolMode", "call_id", "finish_reason"]
