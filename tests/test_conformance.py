@@ -131,6 +131,13 @@ class IgnoresLogitBias(CpuRefBackend):
         return CpuRefBackend.sample(logits, replace(params, logit_bias_ids=None, logit_bias_values=None))
 
 
+class IgnoresTokenBitmask(CpuRefBackend):
+    name = "mutant"
+
+    def sample(self, logits, params):
+        return CpuRefBackend.sample(logits, replace(params, token_bitmask=None))
+
+
 class ForgetsResidualSum(CpuRefBackend):
     name = "mutant"
 
@@ -161,7 +168,10 @@ MUTANTS = [
     (UngatedSharedExpert, "moe", {"shared_gated_top4", "shared_gated_one_token"}),
     (WritesPaddedSlots, "kv_write", {"padded_minus1_slots"}),
     (IgnoresPenalties, "sample", {"penalties", "logprobs"}),
-    (IgnoresLogitBias, "sample", {"logit_bias"}),
+    # Row 0 of the bitmask case is unconstrained and banned its best token by bias.
+    (IgnoresLogitBias, "sample", {"logit_bias", "bitmask_bias_penalties_logprobs"}),
+    (IgnoresTokenBitmask, "sample", {"bitmask_greedy", "bitmask_one_allowed", "bitmask_filters",
+                                     "bitmask_bias_penalties_logprobs", "bitmask_vocab100"}),
     (ForgetsResidualSum, "rms_norm", {"residual_h64", "one_token"}),
     (CopiesNoBlocks, "copy_blocks", {"two_blocks"}),
 ]

@@ -211,7 +211,8 @@ class _GuidanceMatcher(Matcher):
         self.m = llguidance.LLMatcher(tokenizer, grammar)
 
     def accept(self, token: int) -> bool:
-        return bool(self.m.consume_token(int(token)))
+        # try_consume leaves a matcher that refuses the token as it was (consume_token would stop it).
+        return self.m.try_consume_tokens([int(token)]) == 1
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         import llguidance.numpy
