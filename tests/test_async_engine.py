@@ -201,6 +201,29 @@ def test_a_caller_cancelled_before_acceptance_leaves_no_request_running(allm, st
     assert sum(f.num_generation_tokens for f in finished) < 60
 
 
+def test_a_request_whose_caller_loop_closed_before_acceptance_is_never_run(allm, stats):
+    """The caller's event loop closes before the engine thread takes the request (the test
+    holds the engine's lock meanwhile): the request is aborted at once, not prefilled and
+    sampled for nobody."""
+    loop = asyncio.new_event_loop()
+    with allm._cv:
+        loop.create_task(allm.generate("orphan", PROMPTS[0], SamplingParams(temperature=0, max_tokens=60,
+                                                                            ignore_eos=True)))
+        loop.run_until_complete(asyncio.sleep(0))  # it queued the request and waits for acceptance
+        loop.close()
+
+    def finished_stats():
+        return [f for _, it in list(stats) if it is not None for f in it.finished]
+
+    deadline = time.time() + 30
+    while not finished_stats():  # the stats of a step are logged after its requests are untracked
+        assert time.time() < deadline, "the request never finished"
+        time.sleep(0.01)
+    wait_idle(allm)
+    assert [f.finish_reason for f in finished_stats()] == ["abort"]
+    assert sum(it.num_generation_tokens for _, it in stats if it) == 0
+
+
 def test_an_output_nobody_streams_does_not_hide_the_rest_of_the_step(allm):
     """A step's output for a request no caller streams any more (aborted meanwhile) is skipped;
     the outputs after it in the same step still reach their callers."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from infer.backends.cpu_ref import CpuRefBackend
 from infer.primitives import AttentionMetadata, DenseWeight, SamplingTensors
+from infer.primitives.types import round_to_dtype
 
 ref = CpuRefBackend()
 rng = np.random.default_rng(0)
@@ -146,6 +147,15 @@ def test_linear_and_embedding():
     x, w, bias = randn(3, 8), randn(5, 8), randn(5)
     np.testing.assert_allclose(ref.linear(x, DenseWeight(w, bias)), x @ w.T + bias, atol=1e-5)
     np.testing.assert_array_equal(ref.embedding(np.array([2, 0, 2]), w), w[[2, 0, 2]])
+
+
+def test_bfloat16_rounding_is_torchs_cast_ties_to_even():
+    """bf16 values live in float32 storage on the host and in cpu_ref; `round_to_dtype` must round as
+    torch casts: to nearest, a value halfway between two bf16 neighbours to the even one."""
+    halfway = (0x3F800000 + 0x10000 * np.arange(64, dtype=np.uint32) + 0x8000).view(np.float32)  # even and odd below
+    x = np.concatenate([halfway, -halfway, randn(1000)])
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(round_to_dtype(x, "bfloat16"), want)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -212,6 +212,15 @@ def test_pipeline_stages_generate_what_one_process_does(tiny_dirs, kind, tp, pp)
     assert_same_generation(one, many)
 
 
+def test_parallel_config_defaults_are_the_engine_args_defaults():
+    """The defaults are written twice (ParallelConfig, EngineArgs): both describe one process."""
+    from infer.core.distributed import ParallelConfig
+    from infer.core.engine import EngineArgs
+
+    assert ParallelConfig() == EngineArgs().parallel_config()
+    assert ParallelConfig().executor is None
+
+
 def test_stage_layers_split_evenly():
     from infer.core.distributed import stage_layers
 
@@ -449,6 +458,81 @@ def _check_rank_handles(ray) -> None:
     assert busy.poll() == -9
 
 
+class _FakeRay:
+    """Just enough of the `ray` module for `ray_executor`, recording what it is asked: the
+    placement bundles, each actor's options, the actors killed. `results` holds the
+    refs that have finished, with their value."""
+
+    def __init__(self):
+        self.bundles, self.options, self.killed, self.results = [], [], [], {}
+
+    def modules(self) -> dict:
+        """Stand-ins for the submodules `spawn` imports."""
+        import types
+
+        groups = types.ModuleType("ray.util.placement_group")
+        groups.placement_group = lambda bundles, strategy: self.bundles.extend(bundles) or types.SimpleNamespace(
+            ready=lambda: "ready")
+        strategies = types.ModuleType("ray.util.scheduling_strategies")
+        strategies.PlacementGroupSchedulingStrategy = lambda group, index: ("bundle", index)
+        return {"ray.util.placement_group": groups, "ray.util.scheduling_strategies": strategies}
+
+    def remote(self, cls):
+        import types
+
+        def options(**kw):
+            self.options.append(kw)
+            n = len(self.options)
+            actor = types.SimpleNamespace(pid=types.SimpleNamespace(remote=lambda: 100 + n),
+                                          run=types.SimpleNamespace(remote=lambda spec: f"actor{n}.run"))
+            return types.SimpleNamespace(remote=lambda: actor)
+
+        return types.SimpleNamespace(options=options)
+
+    def get(self, ref, timeout=None):
+        return self.results.get(ref, ref)
+
+    def wait(self, refs, timeout=None):
+        return [r for r in refs if r in self.results], [r for r in refs if r not in self.results]
+
+    def kill(self, actor, no_restart=True):
+        self.killed.append(actor)
+
+    def available_resources(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("use_gpus, bundle", [(True, {"GPU": 1}), (False, {"CPU": 1})])
+def test_ray_ranks_each_reserve_the_device_or_core_their_actor_runs_on(monkeypatch, use_gpus, bundle):
+    """One placement bundle per worker rank, holding what that rank's actor asks for."""
+    from infer.core import ray_executor
+    from infer.core.distributed import ParallelConfig
+
+    ray = _FakeRay()
+    monkeypatch.setattr(ray_executor, "_ray", lambda: ray)
+    for name, module in ray.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    ranks = ray_executor.spawn(ParallelConfig(tensor_parallel_size=3), [1, 2], {}, use_gpus=use_gpus)
+    assert [r.pid for r in ranks] == [101, 102]
+    assert ray.bundles == [bundle, bundle]
+    for options in ray.options:
+        assert options["num_gpus"] == bundle.get("GPU", 0) and options["num_cpus"] == bundle.get("CPU", 0)
+
+
+def test_releasing_ray_ranks_kills_the_actors_still_running(monkeypatch):
+    """An actor left running would hold its bundle (a GPU) after the engine stopped."""
+    from infer.core import ray_executor
+    from infer.core.ray_executor import RayRank
+
+    ray = _FakeRay()
+    monkeypatch.setattr(ray_executor, "_ray", lambda: ray)
+    running, done = RayRank("actor1", "actor1.run", 101), RayRank("actor2", "actor2.run", 102)
+    ray.results["actor2.run"] = 0
+    ray_executor.release([running, done])
+    assert ray.killed == ["actor1"]
+    assert running.returncode == -9 and done.returncode == 0
+
+
 def test_ray_executor_on_a_local_cluster(tiny_dirs):
     """A Ray cluster the test starts (`ray start --head` on 127.0.0.1; one test, so no
     second cluster runs beside it): rank actors are watched like processes, and worker
@@ -567,6 +651,18 @@ class _Replica:
 
     def shutdown(self, timeout):
         self.stopped = timeout
+
+
+def test_data_parallel_engine_is_the_first_replicas():
+    """What the server reads from `.engine` (tokenizer, limits, chat template) comes from the
+    first replica, which every DataParallelLLM has, one replica or many."""
+    from infer.core.data_parallel import DataParallelLLM
+
+    replicas = [_Replica(), _Replica()]
+    for i, r in enumerate(replicas):
+        r.engine = f"engine {i}"
+    assert DataParallelLLM(replicas).engine == "engine 0"
+    assert DataParallelLLM(replicas[1:]).engine == "engine 1"
 
 
 def test_data_parallel_routing_and_abort():

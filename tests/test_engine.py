@@ -224,6 +224,30 @@ def test_the_progress_bar_shows_for_any_prompt_that_runs(make_llm, capsys, promp
     assert ("Processed prompts" in capsys.readouterr().err) == shown
 
 
+@pytest.mark.parametrize("prompts, total", [([PROMPTS[0], [], PROMPTS[1]], 2), ([[]], 0)])
+def test_the_progress_bar_counts_only_the_prompts_that_run(make_llm, monkeypatch, prompts, total):
+    """A refused prompt is finished at once, with an error: the bar leaves it out, so it ends full."""
+    import infer.core.llm
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, disable, **kwargs):
+            self.total, self.shown, self.n = total, not disable, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(infer.core.llm, "tqdm", Bar)
+    make_llm().generate([tokens_prompt(p) for p in prompts], SamplingParams(max_tokens=2), use_tqdm=True)
+    [bar] = bars
+    assert (bar.total, bar.n, bar.shown) == (total, total, total > 0)
+
+
 def test_unseeded_sampling_follows_the_engine_seed(make_llm):
     """The engine seed defaults to 0 (as in vLLM): an engine built without one samples like seed=0."""
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)

@@ -59,6 +59,27 @@ def test_every_value_type_and_tensor_type_reads_as_gguf_py_reads_it(tmp_path):
     _same_as_gguf_reader(path)
 
 
+def test_nested_arrays_keep_their_structure_and_what_follows_them_is_read_in_place(tmp_path):
+    """Arrays of arrays are walked to find where the next value starts. Their contents keep the
+    nesting (gguf-py's reader flattens them, so only its tensor offsets are compared)."""
+    path = tmp_path / "nested.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.ints", [[1, 2, 3], [4], [5, 6]])
+    w.add_array("t.strs", [["a", "bc"], ["日本語"]])
+    w.add_uint32("t.after", 7)
+    w.add_tensor("f32", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = GGUFHeader(path), gguf.GGUFReader(path)
+    assert ours.fields["t.ints"].contents() == [[1, 2, 3], [4], [5, 6]]
+    assert ours.fields["t.strs"].contents() == [["a", "bc"], ["日本語"]]
+    assert ours.fields["t.after"].contents() == 7
+    assert [t.data_offset for t in ours.tensors] == [t.data_offset for t in theirs.tensors]
+    np.testing.assert_array_equal(ours.tensors[0].data, np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
 @pytest.mark.slow
 def test_smollm2_reads_as_gguf_py_reads_it():
     from conftest import require_smollm2

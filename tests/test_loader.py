@@ -640,3 +640,14 @@ def test_gguf_tokenizer_is_cached_and_the_cache_behaves_like_the_conversion(smol
     assert cached.__class__.from_pretrained(str(tokenizer_cache_dir(smollm2_path)))(text).input_ids == converted(text).input_ids
     monkeypatch.setenv("INFER_CACHE_DIR", "")
     assert tokenizer_cache_dir(smollm2_path) is None
+
+
+def test_gguf_tokenizer_cache_creates_its_directories_on_first_use(smollm2_path, tmp_path, monkeypatch):
+    """The default cache, $XDG_CACHE_HOME/infer, does not exist before infer's first run."""
+    from infer.core.loader.gguf_file import GGUFCheckpoint, tokenizer_cache_dir
+
+    monkeypatch.delenv("INFER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    GGUFCheckpoint(smollm2_path).load_tokenizer()
+    assert tokenizer_cache_dir(smollm2_path).parent == tmp_path / "infer" / "tokenizers"
+    assert (tokenizer_cache_dir(smollm2_path) / "tokenizer.json").is_file()

@@ -1,6 +1,6 @@
 """Loader details the model tests do not reach: byte counts (the load progress
-bar's total) for every readable dtype and for fused experts, config defaults,
-and a chat template kept in its own JSON file."""
+bar's total, and how far a shard read moves it) for every readable dtype and for
+fused experts, config defaults, and a chat template kept in its own JSON file."""
 
 from __future__ import annotations
 
@@ -56,6 +56,16 @@ def test_a_config_without_tie_word_embeddings_does_not_tie():
     assert cfg["tie_word_embeddings"] is False and cfg["num_key_value_heads"] == 4 and cfg["head_dim"] == 16
 
 
+def test_without_generation_config_json_the_token_ids_set_in_config_json_are_used(tmp_path):
+    """Older checkpoints keep bos/eos only in config.json: EOS must still end generation."""
+    make_model("qwen2")[0].save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    config |= {"bos_token_id": 1, "eos_token_id": [2, 7], "pad_token_id": None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert HFCheckpoint(tmp_path).generation_config() == {"bos_token_id": 1, "eos_token_id": [2, 7]}
+
+
 def test_chat_template_is_read_from_chat_template_json(tmp_path):
     make_model("qwen2")[0].save_pretrained(tmp_path)
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
@@ -76,6 +86,30 @@ def test_a_file_of_an_hf_directory_stands_for_the_directory(tmp_path):
     whole = resolve_model_path(tmp_path)
     assert resolve_model_path(tmp_path / "model.safetensors") == whole
     assert resolve_model_path(tmp_path / "config.json") == whole
+
+
+def test_a_shard_read_moves_the_progress_bar_by_its_share_of_the_tensors_bytes(tmp_path, monkeypatch):
+    """A tensor-parallel rank reads a part of each tensor: its bar counts the bytes of that part."""
+    import tqdm
+
+    from infer.core.loader.load import LazyWeights
+
+    moved = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            moved.append(total)
+
+        def update(self, n):
+            moved.append(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(6, 8)}, tmp_path / "model.safetensors")  # 192 bytes
+    lazy = LazyWeights(HFCheckpoint(tmp_path), np.dtype(np.float32), progress=True)
+    lazy.read_slice("w", 0, 2, 5)  # half the rows
+    lazy.read_slice("w", 1, 0, 2)  # a quarter of the columns
+    assert moved == [192, 96, 48]
 
 
 def test_reading_casts_float_tensors_to_the_load_dtype_and_leaves_integer_ones(tmp_path):

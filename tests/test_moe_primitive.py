@@ -1,5 +1,5 @@
 """The `moe` primitive beyond the conformance cases: the torch backend's work
-grows with top_k and not with the number of experts, the shared-expert
+grows with top_k and not with the number of experts, top_k and the shared-expert
 arguments are checked, and an all-expert dense computation agrees with it."""
 
 from __future__ import annotations
@@ -81,12 +81,24 @@ def test_gated_shared_expert_adds_sigmoid_gate_times_shared_output():
     torch.testing.assert_close(plain, routed + shared)
 
 
-def _args(t=3, e=4, shared_shape=None, gate_shape=None):
+def _args(t=3, e=4, shared_shape=None, gate_shape=None, top_k=2):
     f = np.float32
     shared = np.zeros(shared_shape, f) if shared_shape else None
     gate = np.zeros(gate_shape, f) if gate_shape else None
-    return (np.zeros((t, 8), f), np.zeros((t, e), f), np.zeros((e, 6, 8), f), np.zeros((e, 8, 3), f), 2, True,
+    return (np.zeros((t, 8), f), np.zeros((t, e), f), np.zeros((e, 6, 8), f), np.zeros((e, 8, 3), f), top_k, True,
             shared, gate)
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_top_k_from_one_expert_to_every_expert_passes_the_check(top_k):
+    check_moe(*_args(e=4, top_k=top_k))
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_top_k_outside_one_to_the_number_of_experts_is_refused(top_k):
+    with pytest.raises(PrimitiveArgumentError) as err:
+        check_moe(*_args(e=4, top_k=top_k))
+    assert err.value.argument == "top_k"
 
 
 @pytest.mark.parametrize("shared_shape, gate_shape, argument", [

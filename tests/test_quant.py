@@ -212,6 +212,16 @@ def test_fusing_quantized_weights_concatenates_every_per_row_field():
     np.testing.assert_array_equal(concat_rows(with_bias).bias, np.concatenate([p.bias for p in with_bias]))
 
 
+@pytest.mark.parametrize("start, stop", [(0, 48), (16, 64), (16, 48)], ids=["stop", "start", "both"])
+def test_a_column_shard_that_splits_a_group_is_refused(start, stop):
+    """A tensor-parallel cut of input columns must fall on group boundaries at both ends:
+    the shard keeps whole groups' scales, so a cut inside a group would pair columns with the wrong scale."""
+    from infer.core.quant_params import slice_handle
+
+    with pytest.raises(ValueError, match="splits the 32-wide groups"):
+        slice_handle(_int8(4, 32), 1, start, stop)
+
+
 def test_to_backend_moves_every_field_of_a_handle_without_offsets():
     """int8 handles have no offsets: the bias after them still goes to the backend."""
     from infer.core.quant_params import to_backend

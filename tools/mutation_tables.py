@@ -35,13 +35,15 @@ TESTS = {
         "test_moe_experts_are_split_inside_each_expert", "test_shared_expert_is_reduced_with_the_moe_not_alone",
         "test_program_reduces_each_block_once_and_gathers_logits", "test_tp2_generates_what_one_process_does")],
     "infer/core/distributed.py": [f"tests/test_distributed.py::{t}" for t in (
-        "test_stage_layers_split_evenly", "test_tp2_generates_what_one_process_does",
+        "test_parallel_config_defaults_are_the_engine_args_defaults", "test_stage_layers_split_evenly",
+        "test_tp2_generates_what_one_process_does",
         "test_pipeline_stages_generate_what_one_process_does", "test_a_dead_worker_fails_the_engine_naming_the_rank",
         "test_torchrun_external_launcher", "test_ranks_that_disagree_fail_at_startup")],
     "infer/core/worker.py": ["tests/test_distributed.py::test_headless_is_refused_on_node_0_and_without_mp",
                              "tests/test_distributed.py::test_tp2_generates_what_one_process_does",
                              "tests/test_distributed.py::test_pipeline_stages_generate_what_one_process_does"],
-    "infer/core/data_parallel.py": ["tests/test_distributed.py::test_data_parallel_routing_and_abort",
+    "infer/core/data_parallel.py": ["tests/test_distributed.py::test_data_parallel_engine_is_the_first_replicas",
+                                    "tests/test_distributed.py::test_data_parallel_routing_and_abort",
                                     "tests/test_distributed.py::test_data_parallel_replicas_behind_one_server"],
     "infer/core/llm.py": ENGINE,
     "infer/core/async_engine.py": ["tests/test_async_engine.py", "tests/test_stream_errors.py",
@@ -62,13 +64,20 @@ TESTS = {
     "infer/core/quant_params.py": ["tests/test_quant.py", "tests/test_quant_hf.py",
                                    "tests/test_distributed.py::test_fp8_shards_keep_a_per_tensor_scale_and_cut_per_channel_ones",
                                    "tests/test_distributed.py::test_gguf_shards_read_only_their_blocks_and_match_the_whole_tensor"],
-    "infer/core/ray_executor.py": ["tests/test_distributed.py::test_ray_executor_on_a_local_cluster"],
+    "infer/core/ray_executor.py": [f"tests/test_distributed.py::{t}" for t in (
+        "test_ray_ranks_each_reserve_the_device_or_core_their_actor_runs_on",
+        "test_releasing_ray_ranks_kills_the_actors_still_running", "test_ray_executor_on_a_local_cluster")],
     "infer/core/models/": ["tests/test_model_logits.py", "tests/test_model_variants.py", "tests/test_loader_edges.py",
                            "tests/test_cache_config.py", "tests/test_moe_models.py", "tests/test_engine.py"],
     "infer/core/loader/": ["tests/test_loader_edges.py", "tests/test_loader.py", "tests/test_gguf_header.py",
                            "tests/test_quant_hf.py", "tests/test_quant.py", "tests/test_moe_models.py"],
     "infer/primitives/": ["tests/test_int4_packing.py", "tests/test_backend_memory.py", *KERNELS,
-                          "tests/test_registry.py", "tests/test_quant.py"],
+                          "tests/test_registry.py", "tests/test_quant.py",
+                          *(f"tests/test_moe_primitive.py::{t}" for t in (  # check_moe's arguments
+                              "test_top_k_from_one_expert_to_every_expert_passes_the_check",
+                              "test_top_k_outside_one_to_the_number_of_experts_is_refused",
+                              "test_shared_expert_arguments_are_checked",
+                              "test_valid_shared_expert_arguments_pass_the_check"))],
     "infer/backends/cpu_ref/": KERNELS + ["tests/test_moe_primitive.py", "tests/test_quant.py"],
     "infer/backends/torch_native/": KERNELS + ["tests/test_torch_backend.py"],
     "infer/server/": ["tests/test_stream_errors.py", "tests/test_nonascii_output.py", "tests/test_server_metrics.py",
@@ -183,6 +192,11 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("infer/core/sampling_batch.py", "width = max((len(r) for r in rows), default=0)",
      "width = max((len(r) for r in rows), default=1)"):
         "the next line takes max(width, 1): defaults 0 and 1 give the same array",
+    ("infer/core/sampling_batch.py",
+     "max_num_logprobs=max((max(p.logprobs, 1) for p in ps if p.logprobs is not None), default=0),",
+     "max_num_logprobs=max((max(p.logprobs, 1) for p in ps if p.logprobs is not None), default=1),"):
+        "a step where no row asks for logprobs: K=1 only makes the backend also compute top-1 and ranks, "
+        "which no row records (CompletionState keeps logprobs only when params.logprobs is set)",
     ("infer/core/scheduler_output.py", "request: Request = field(repr=False)", "request: Request = field(repr=True)"):
         "repr only",
     ("infer/core/memory.py", "ctypes.CDLL(None).malloc_trim(0)", "ctypes.CDLL(None).malloc_trim(1)"):
