@@ -24,7 +24,7 @@ from infer.core.async_engine import AsyncLLM
 from infer.core.llm import LLM
 from infer.core.sampling_batch import token_bitmask
 from infer.core.sampling_params import SamplingParams
-from infer.core.structured import StructuredOutputs, StructuredOutputsParams as S
+from infer.core.structured import Matcher, StructuredOutputs, StructuredOutputsParams as S
 
 GRAMMAR_BACKENDS = ("xgrammar", "guidance")
 SCHEMA = {
@@ -120,7 +120,7 @@ def test_unconstrained_and_constrained_requests_share_a_batch(llm):
 
 
 def test_min_tokens_bans_eos_only_while_the_grammar_allows_more():
-    class Fixed:  # a matcher that allows tokens {3, 40} (and ends nowhere)
+    class Fixed(Matcher):  # a matcher that allows the given tokens (and ends nowhere)
         def __init__(self, allowed):
             self.allowed = allowed
 
@@ -283,7 +283,7 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(model_dir):
     from infer.core.scheduler_output import StepOutput
     from infer.server.reasoning import DeepSeekR1ReasoningParser
 
-    class Recorder:
+    class Recorder(Matcher):
         def __init__(self):
             self.accepted = []
 

@@ -29,10 +29,15 @@ def token_bitmask(rows: list[CompletionState], vocab_size: int) -> np.ndarray | 
     if not any(constrained):
         return None
     mask = np.full((len(rows), -(-vocab_size // 32)), -1, dtype=np.int32)
+    by_kind: dict[type, list] = {}
+    for i, c in enumerate(rows):
+        if constrained[i]:
+            by_kind.setdefault(type(c.matcher), []).append((c.matcher, i))
+    for kind, pairs in by_kind.items():
+        kind.fill_bitmasks(pairs, mask)
     for i, c in enumerate(rows):
         if not constrained[i]:
             continue
-        c.matcher.fill_bitmask(mask, i)
         banned = [t for t in c.banned_tokens() if 0 <= t < vocab_size]
         if banned:
             row = mask[i].view(np.uint32).copy()

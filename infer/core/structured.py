@@ -111,6 +111,12 @@ class StructuredOutputsParams:
 class Matcher:
     """One completion's position in its grammar."""
 
+    @staticmethod
+    def fill_bitmasks(pairs: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        """Fill the rows of several matchers of this class at once (a library may do it in parallel)."""
+        for m, row in pairs:
+            m.fill_bitmask(bitmask, row)
+
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False (state unchanged) when the grammar forbids it."""
         raise NotImplementedError
@@ -204,7 +210,19 @@ class XGrammarBackend(GrammarBackend):
         return _XGrammarMatcher(compiled)
 
 
+_EXECUTOR: list = []  # llguidance's thread pool for batched masks, made on first use
+
+
 class _GuidanceMatcher(Matcher):
+    @staticmethod
+    def fill_bitmasks(pairs: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        import llguidance
+        import llguidance.numpy
+
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        llguidance.numpy.fill_next_token_bitmask_par(_EXECUTOR[0], [(m.m, row) for m, row in pairs], bitmask)
+
     def __init__(self, tokenizer, grammar: str):
         import llguidance
 
