@@ -313,22 +313,30 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(model_dir):
     assert comp.reasoning is None and comp.matcher.accepted == answer
 
 
-def test_torch_bitmask_byte_table_equals_the_bit_by_bit_expansion(monkeypatch):
-    """The little-endian byte-table path and the shift path (other hosts) agree, bit for bit."""
+def test_torch_bitmask_native_kernel_byte_table_and_shifts_agree_bit_for_bit(monkeypatch):
+    """The three ways the torch backend applies a bitmask: the native CPU kernel, the byte
+    table (other devices, little-endian hosts) and the shifts (big-endian hosts)."""
     import sys
 
     import torch
 
-    from infer.backends.torch_native.sampling import apply_token_bitmask
+    from infer.backends.torch_native import sampling
+    from infer.backends.torch_native.native import ops as native
 
     g = torch.Generator().manual_seed(0)
     for vocab in (100, 1000, 49152):
         x = torch.randn(3, vocab, generator=g)
         mask = torch.randint(-(2**31), 2**31 - 1, (3, -(-vocab // 32)), dtype=torch.int32, generator=g)
-        fast = apply_token_bitmask(x, mask)
-        monkeypatch.setattr(sys, "byteorder", "big")
-        slow = apply_token_bitmask(x, mask)
-        monkeypatch.setattr(sys, "byteorder", "little")
+        mask[0], mask[1, ::2] = -1, 0  # an unconstrained row; words that allow nothing
+        kernel = native.token_bitmask(x, mask)
+        assert kernel is not None
+        with monkeypatch.context() as m:
+            m.setattr(native, "token_bitmask", lambda x, b: None)
+            table = sampling.apply_token_bitmask(x, mask)
+            m.setattr(sys, "byteorder", "big")
+            shifts = sampling.apply_token_bitmask(x, mask)
         expected = [[bool((int(mask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
-        assert torch.equal(torch.isfinite(fast), torch.tensor(expected)) and torch.equal(fast, slow)
-        assert torch.equal(fast[torch.isfinite(fast)], x[torch.isfinite(fast)])
+        assert torch.equal(torch.isfinite(kernel), torch.tensor(expected))
+        assert torch.equal(kernel, table) and torch.equal(kernel, shifts)
+        assert torch.equal(kernel[torch.isfinite(kernel)], x[torch.isfinite(kernel)])
+        assert sampling.apply_token_bitmask(x, mask) is not x

@@ -151,6 +151,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
             fn.argtypes, fn.restype = args, ctypes.c_int
     lib.infer_kv_write.argtypes = (_P, _I, _P, _I, _P, _I, _P, _I, _I, _I)
     lib.infer_kv_write.restype = ctypes.c_int
+    lib.infer_token_bitmask.argtypes, lib.infer_token_bitmask.restype = (_P, _I, _P, _I, _P, _I, _I), ctypes.c_int
     lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
     lib.infer_openmp.argtypes, lib.infer_openmp.restype = (), ctypes.c_int
     threads = "torch's OpenMP threads" if lib.infer_openmp() else "own thread pool"

@@ -386,6 +386,33 @@ int infer_kv_write(const char *k, int64_t k_ts, const char *v, int64_t v_ts, con
     return 0;
 }
 
+/* ---- token_bitmask: structured outputs' allowed tokens applied to float32 logits ----------
+ * out[r, t] = x[r, t] if bit t % 32 of mask[r, t / 32] is set, else -inf. x rows are xs apart,
+ * mask rows `words` apart, out is [rows, v]. A word that allows all 32 tokens (an unconstrained
+ * row) is one copy, one that allows none (most words of a constrained row) one fill.
+ */
+int infer_token_bitmask(const float *x, int64_t xs, const int32_t *mask, int64_t words, float *out, int64_t rows,
+                        int64_t v) {
+    PAR_FOR(rows * v)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * xs;
+        const uint32_t *m = (const uint32_t *)(mask + r * words);
+        float *o = out + r * v;
+        for (int64_t w = 0; w * 32 < v; w++) {
+            int64_t base = w * 32, n = v - base < 32 ? v - base : 32;
+            uint32_t bits = m[w];
+            if (bits == 0xFFFFFFFFu) {
+                memcpy(o + base, xr + base, (size_t)n * sizeof(float));
+            } else if (bits == 0) {
+                for (int64_t j = 0; j < n; j++) o[base + j] = -INFINITY;
+            } else {
+                for (int64_t j = 0; j < n; j++) o[base + j] = (bits >> j) & 1u ? xr[base + j] : -INFINITY;
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- fp8 (e4m3fn) KV cache codes --------------------------------------------------------
  * Encoding matches torch's float32 -> float8_e4m3fn cast of a value clamped to +-448 (round to
  * nearest even, subnormals down to 2^-9); decoding is a table of the 256 code values.

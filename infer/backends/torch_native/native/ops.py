@@ -131,6 +131,20 @@ def silu_and_mul(x: torch.Tensor):
     return out
 
 
+def token_bitmask(x: torch.Tensor, bitmask: torch.Tensor):
+    """float32 logits [B, V] with -inf where the structured-output bitmask [B, ceil(V/32)] int32 clears the bit."""
+    if x.dtype != torch.float32 or bitmask.dtype != torch.int32 or not (x.is_cpu and bitmask.is_cpu):
+        return None
+    lib = library()
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or bitmask.stride(1) != 1:
+        return None
+    rows, v = x.shape
+    out = torch.empty((rows, v), dtype=torch.float32)
+    _check(lib.infer_token_bitmask(x.data_ptr(), x.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                                   out.data_ptr(), rows, v), "token_bitmask")
+    return out
+
+
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              scales: tuple[float, float] | None = None) -> bool:
     """True when written; False when the kernel does not apply. An fp8 (uint8) cache takes `scales`."""
