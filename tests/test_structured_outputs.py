@@ -216,6 +216,33 @@ def test_a_request_waits_for_its_grammar_while_others_decode(llm):
         engine.structured.compile = real
 
 
+def test_a_caller_that_gives_up_does_not_poison_the_compile_cache(llm):
+    """Cancelling the awaiting task leaves the shared compile running; a cancelled future in
+    the cache (should one get there) is compiled again, not handed out."""
+    engine = AsyncLLM(llm.engine)
+    spec = S(regex="[a-z]{3}-cancel")
+
+    async def go():
+        task = asyncio.ensure_future(engine.generate("c1", "x", sampled(n=1, structured_outputs=spec)))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stream = await engine.generate("c2", "x", sampled(n=1, structured_outputs=spec))
+        return [o async for o in stream][-1]
+
+    try:
+        out = asyncio.run(go())
+        assert re.fullmatch("[a-z]{3}-cancel", out.outputs[0].text)
+    finally:
+        engine.shutdown()
+    so = llm.engine.structured
+    cancelled: Future = Future()
+    cancelled.cancel()
+    so._cache[S(regex="zz").key()] = cancelled
+    assert so.compile(S(regex="zz")).result().matcher() is not None
+
+
 def test_compiled_grammars_are_cached_by_spec(llm):
     so = llm.engine.structured
     a = so.compile(S(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
@@ -311,6 +338,31 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(model_dir):
         req.append_output_token(t)
         comp.on_token(StepOutput(["r"], np.array([t]), np.array([0.0], np.float32)), 0, tok.decode)
     assert comp.reasoning is None and comp.matcher.accepted == answer
+
+
+def test_an_answer_that_opens_no_reasoning_block_is_fed_to_the_grammar_from_its_first_token(model_dir):
+    """qwen3: an output that does not start with <think> is all answer; the tokens sampled
+    before that was known go to the grammar too, so it does not start over."""
+    from infer.core.detokenizer import IncrementalDetokenizer
+    from infer.core.request import Request
+    from infer.core.request_state import CompletionState
+    from infer.core.scheduler_output import StepOutput
+    from infer.server.reasoning import Qwen3ReasoningParser
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    so = StructuredOutputs("xgrammar", tok, len(tok), (tok.eos_token_id,))
+    prompt = tok("q", add_special_tokens=False).input_ids
+    answer = tok("abc-12", add_special_tokens=False).input_ids
+    req = Request("r", prompt)
+    comp = CompletionState(0, req, SamplingParams(), 0, IncrementalDetokenizer(tok, prompt),
+                           matcher=so.compile(S(regex="abc-12")).result().matcher(),
+                           reasoning=Qwen3ReasoningParser())
+    for t in answer:
+        req.append_output_token(t)
+        comp.on_token(StepOutput(["r"], np.array([t]), np.array([0.0], np.float32)), 0, tok.decode)
+    assert comp.reasoning is None and comp.matcher is not None and comp.matcher.is_terminated() is False
+    assert comp.matcher.accept(tok.eos_token_id) and comp.matcher.is_terminated()  # the whole answer was taken
+    so.shutdown()
 
 
 def test_torch_bitmask_native_kernel_byte_table_and_shifts_agree_bit_for_bit(monkeypatch):

@@ -106,7 +106,8 @@ class AsyncLLM:
         if params.structured_outputs is not None:
             # Compiled on the grammar thread before the engine sees the request: a bad
             # grammar is the caller's ValueError, and the step loop never waits for one.
-            await asyncio.wrap_future(self.engine.structured.compile(params.structured_outputs))
+            # Shielded: a caller that gives up must not cancel a compile others share.
+            await asyncio.shield(asyncio.wrap_future(self.engine.structured.compile(params.structured_outputs)))
         stream = _Stream(asyncio.get_running_loop())
         with self._cv:
             if self.dead is not None:

@@ -445,8 +445,9 @@ class LLMEngine:
         if params.max_tokens is None or params.max_tokens > room:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
-        if grammar is not None and grammar.done() and grammar.exception() is not None:
-            raise ValueError(f"request {request_id!r}: {grammar.exception()}")
+        failure = _compile_failure(grammar) if grammar is not None and grammar.done() else None
+        if failure is not None:
+            raise ValueError(f"request {request_id!r}: {failure}")
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
         req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
@@ -455,6 +456,8 @@ class LLMEngine:
         if grammar is not None and not grammar.done():
             self._awaiting_grammar.append((state, req, grammar))  # scheduled once it compiles
             return
+        if grammar is not None:
+            state.grammar = grammar.result()
         self.scheduler.add_request(req)
         self._track(state, req, 0)
 
@@ -468,13 +471,14 @@ class LLMEngine:
         for state, req, fut in self._awaiting_grammar:
             if not fut.done():
                 waiting.append((state, req, fut))
-            elif fut.exception() is not None:
-                logging.getLogger("infer").error("request %r: %s", state.request_id, fut.exception())
+            elif _compile_failure(fut) is not None:
+                logging.getLogger("infer").error("request %r: %s", state.request_id, _compile_failure(fut))
                 req.status = RequestStatus.FINISHED_ABORTED
                 state.pending_forks = 0
                 self._track(state, req, 0)
                 ended.add(state.request_id)
             else:
+                state.grammar = fut.result()
                 self.scheduler.add_request(req)
                 self._track(state, req, 0)
         self._awaiting_grammar = waiting
@@ -500,8 +504,8 @@ class LLMEngine:
         if self.tokenizer is not None and p.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.skip_special_tokens)
         comp = CompletionState(index, req, p, seed, detok)
-        if p.structured_outputs is not None and not req.is_finished:
-            comp.matcher = self.structured.compile(p.structured_outputs).result().matcher()
+        if state.grammar is not None and not req.is_finished:
+            comp.matcher = state.grammar.matcher()  # compiled at admission: the step never waits for one
             if self.reasoning is not None and detok is not None:
                 # The grammar waits for the end of the reasoning, unless the prompt already closed it.
                 tail = self.tokenizer.decode(state.prompt_token_ids[-64:])
@@ -645,6 +649,13 @@ class LLMEngine:
             metrics["first_token_time"] = min(first)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              [c.output() for c in state.completions], finished, metrics)
+
+
+def _compile_failure(fut: Future) -> BaseException | None:
+    """Why a finished compile gave no grammar (a cancelled one counts), or None."""
+    if fut.cancelled():
+        return ValueError("its grammar's compilation was cancelled")
+    return fut.exception()
 
 
 def _closed(text: str, parser) -> bool:

@@ -85,7 +85,8 @@ class CompletionState:
         delta = self.detokenizer.add(token)
         self.text += delta
         if waiting and self.reasoning.reasoning_ended(self.text):
-            self.reasoning = None  # the grammar starts with the next token
+            marker, self.reasoning = self.reasoning.end_marker, None
+            self._feed_answer_so_far(marker)
         if not (p.stop_strings and delta and req.num_output_tokens >= p.min_tokens):
             return ended_grammar
         # A stop string wins over the token that may have ended the request too (as vLLM).
@@ -96,6 +97,26 @@ class CompletionState:
         self.text = self.text[: idx + len(stop)] if p.include_stop_str_in_output else self.text[:idx]
         self.stop_string = stop
         return True
+
+    def _feed_answer_so_far(self, end_marker: str) -> None:
+        """The reasoning just ended: the grammar takes the answer tokens already out, those
+        after the end marker (all of them when the output opened no reasoning block)."""
+        cut = self.text.rfind(end_marker)
+        answer = (self.text[cut + len(end_marker):] if cut != -1 else self.text).lstrip()
+        if not answer:
+            return
+        ids, decode = self.request.output_token_ids, self.detokenizer.tokenizer.decode
+        for j in range(len(ids) - 1, -1, -1):
+            tail = decode(ids[j:], skip_special_tokens=self.params.skip_special_tokens)
+            if tail == answer:
+                if all(self.matcher.accept(t) for t in ids[j:]):
+                    return
+                break
+            if len(tail) > len(answer):
+                break
+        log.warning("request %s: the answer began with %r, which its grammar does not start with (or not "
+                    "on a token boundary); the rest of the output is unconstrained", self.request.request_id, answer)
+        self.matcher = None
 
     def output(self) -> CompletionOutput:
         req = self.request
@@ -122,6 +143,7 @@ class RequestState:
     completions: list[CompletionState] = field(default_factory=list)
     pending_forks: int = 0  # children to fork once the prompt is computed
     arrival_time: float = field(default_factory=time.time)
+    grammar: Any = None  # structured outputs: the compiled spec each completion's matcher follows
 
     @property
     def finished(self) -> bool:

@@ -188,7 +188,8 @@ class XGrammarBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(eos_token_ids) or None)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        # No cache of its own (unbounded by default): StructuredOutputs keeps the compiled specs.
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         if spec.whitespace_pattern is not None:
@@ -320,7 +321,7 @@ class StructuredOutputs:
         key = spec.key()
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():
                 self._cache.move_to_end(key)
                 return fut
             if self._pool is None:

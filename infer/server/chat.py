@@ -59,9 +59,13 @@ def _tool_plan(body: ChatCompletionRequest, model: ServedModel):
                                 "--tool-call-parser", "tool_choice")
         mode, grammar = ToolMode("auto", parser=parser), None
     elif choice == "required":
+        defs: dict = {}
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": _parameters(f)}} for name, f in functions.items()]
+                  "properties": {"name": {"const": name}, "parameters": _hoist_defs(_parameters(f), f"{i}_", defs)}}
+                 for i, (name, f) in enumerate(functions.items())]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if defs:
+            schema["$defs"] = defs
         if not body.parallel_tool_calls:
             schema["maxItems"] = 1
         mode, grammar = ToolMode("required"), _arguments_grammar(schema)
@@ -95,6 +99,30 @@ def _arguments_grammar(schema: dict) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True, source="tool_choice")
 
 
+def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+    """`schema` with its $defs (or definitions) moved into `defs` under `prefix`, and its
+    local $refs rewritten to them: nested in the call-list schema, "#/$defs/X" would
+    otherwise point at that schema's root, where X is not."""
+    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not local:
+        return schema
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for head in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(head):
+                        out["$ref"] = "#/$defs/" + prefix + ref[len(head):]
+            return out
+        return [rewrite(v) for v in node] if isinstance(node, list) else node
+
+    for name, sub in local.items():
+        defs[prefix + name] = rewrite(sub)
+    return rewrite(schema)
+
+
 def _parameters(function) -> dict:
     return function.parameters if function.parameters is not None else {"type": "object"}
 
@@ -111,7 +139,7 @@ async def _collect(gen: Generation, body: ChatCompletionRequest, model: ServedMo
         msg = Message()
         msg.add(parse.feed(comp.text) + parse.finish())
         choices.append({"index": comp.index, "message": msg.to_openai(), "logprobs": lp,
-                        "finish_reason": finish_reason(comp.finish_reason, bool(msg.tool_calls)),
+                        "finish_reason": finish_reason(comp.finish_reason, bool(msg.tool_calls), mode),
                         "stop_reason": comp.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     return {"id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model.name,
@@ -151,7 +179,7 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, model: ServedMod
                 choice: dict[str, Any] = {"index": comp.index, "delta": delta, "logprobs": lp if i == 0 else None,
                                           "finish_reason": None}
                 if last and comp.finish_reason:
-                    choice["finish_reason"] = finish_reason(comp.finish_reason, comp.index in called)
+                    choice["finish_reason"] = finish_reason(comp.finish_reason, comp.index in called, mode)
                     choice["stop_reason"] = comp.stop_reason
                 yield chunk([choice])
             if comp.finish_reason:

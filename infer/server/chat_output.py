@@ -74,10 +74,12 @@ class ChoiceStream:
         if kind == "auto":
             return self.tools.feed(text)
         if kind == "named":
-            if not self.named_started:
+            if not text:
+                return []
+            if not self.named_started:  # the call starts with its first argument text
                 self.named_started = True
                 return _call_pieces(0, self.mode.function, text)
-            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         if kind == "required":
             self.buffer += text
             return []
@@ -87,9 +89,6 @@ class ChoiceStream:
         kind = self.mode.kind
         if kind == "auto":
             return self.tools.finish()
-        if kind == "named" and not self.named_started:
-            self.named_started = True
-            return _call_pieces(0, self.mode.function, "")
         if kind == "required":
             try:
                 calls = json.loads(self.buffer)
@@ -133,7 +132,8 @@ class Message:
         return msg
 
 
-def finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    """OpenAI's 'tool_calls' when a choice that ended normally called tools."""
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def finish_reason(reason: str | None, has_calls: bool, mode: ToolMode) -> str | None:
+    """OpenAI's 'tool_calls' when a choice that ended normally called tools the model chose
+    (auto, required); a forced named function ends with 'stop', as OpenAI and vLLM do."""
+    return "tool_calls" if has_calls and reason == "stop" and mode.kind != "named" else reason
 
