@@ -138,6 +138,8 @@ def test_engine_failure_fails_streams_instead_of_hanging(allm, monkeypatch):
     def broken_step():
         raise RuntimeError("device lost")
 
+    assert allm.failure is None  # a healthy one-process engine (no worker ranks) can serve
+
     async def run():
         stream = await allm.generate("x", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         monkeypatch.setattr(allm.engine, "step", broken_step)
@@ -145,7 +147,7 @@ def test_engine_failure_fails_streams_instead_of_hanging(allm, monkeypatch):
 
     with pytest.raises(EngineDeadError, match="device lost"):
         asyncio.run(run())
-    assert allm.dead is not None
+    assert allm.dead is not None and allm.failure == "RuntimeError: device lost"
 
     async def later():
         await allm.generate("y", PROMPTS[0], GREEDY)

@@ -170,6 +170,9 @@ _GGUF_CHUNK = ("the chunk size trades peak memory against the number of dequanti
 _GGUF_STEP = ("rows per chunk a third more or a fifth fewer (or at least 2): the same weights, temporaries within "
               "the bound test_gguf_reads_hold_one_row_chunk_of_temporaries sets")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("infer/core/expert_load.py", "counts = {layer: c + 0 for layer, c in counts.items()}",
+     "counts = {layer: c - 0 for layer, c in counts.items()}"):
+        "either copies the backend's counts tensor (the point of the op); the values are the same",
     ("infer/core/ray_executor.py", "_ray().kill(self.actor, no_restart=True)",
      "_ray().kill(self.actor, no_restart=False)"):
         "rank actors are created with Ray's default max_restarts=0: a killed one is never restarted either way",
