@@ -121,6 +121,19 @@ def test_program_reduces_each_block_once_and_gathers_logits():
     assert "all_reduce" not in lower(build_llama(llama_config())).format()  # one rank: no collectives
 
 
+def test_a_moe_block_reduces_its_hidden_output_alone_not_its_expert_counts():
+    """The moe node's outputs are (hidden, tokens per expert): only the first is a partial sum."""
+    cfg = dict(architectures=["MixtralForCausalLM"], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=1, vocab_size=211,
+               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
+    program = lower(shard_graph(build_moe(cfg), 0, 2))
+    reduces = [c for c in program.calls if c.primitive == "all_reduce"]
+    assert reduces and all(len(c.inputs) == 1 and c.outputs == c.inputs for c in reduces)
+    moe_node = next(c for c in program.calls if c.primitive == "moe")
+    assert len(moe_node.outputs) == 2
+    assert any(c.inputs == moe_node.outputs[:1] for c in reduces)
+
+
 def test_shared_expert_is_reduced_with_the_moe_not_alone():
     cfg = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
                intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,

@@ -54,6 +54,7 @@ TESTS = {
                             "tests/test_engine.py"],
     "infer/core/lowering.py": ["tests/test_graph.py", "tests/test_program_export.py", "tests/test_model_logits.py",
                                "tests/test_distributed.py::test_program_reduces_each_block_once_and_gathers_logits",
+                               "tests/test_distributed.py::test_a_moe_block_reduces_its_hidden_output_alone_not_its_expert_counts",
                                "tests/test_engine.py"],
     "infer/core/rope.py": ["tests/test_graph.py", "tests/test_model_logits.py", "tests/test_engine.py"],
     "infer/core/memory.py": ["tests/test_kv_sizing.py", "tests/test_engine.py"],
@@ -170,6 +171,15 @@ _GGUF_CHUNK = ("the chunk size trades peak memory against the number of dequanti
 _GGUF_STEP = ("rows per chunk a third more or a fifth fewer (or at least 2): the same weights, temporaries within "
               "the bound test_gguf_reads_hold_one_row_chunk_of_temporaries sets")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("infer/core/lowering.py",
+     'calls.append(Call("all_reduce", node.name, node.outputs[:1], node.outputs[:1], {}, {"group": TP_GROUP},',
+     'calls.append(Call("all_reduce", node.name, node.outputs[:1], node.outputs[:2], {}, {"group": TP_GROUP},'):
+        "every partial node of today's graphs has one output (a MoE's expert counts come from its expansion, "
+        "not the graph node), so [:2] names the same one",
+    ("infer/core/sampling_batch.py", "banned = [t for t in c.banned_tokens() if 0 <= t < vocab_size]",
+     "banned = [t for t in c.banned_tokens() if 0 <= t <= vocab_size]"):
+        "no banned id equals vocab_size: stop_token_ids are refused at add_request unless < vocab_size, "
+        "and EOS ids are the model's own",
     ("infer/core/expert_load.py", "counts = {layer: c + 0 for layer, c in counts.items()}",
      "counts = {layer: c - 0 for layer, c in counts.items()}"):
         "either copies the backend's counts tensor (the point of the op); the values are the same",
