@@ -134,6 +134,42 @@ def test_a_moe_block_reduces_its_hidden_output_alone_not_its_expert_counts():
     assert any(c.inputs == moe_node.outputs[:1] for c in reduces)
 
 
+def test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop(monkeypatch):
+    """The worker loop with a stand-in process group: kv/release reach the runner, 'stop'
+    returns cleanly, an unknown message is an error; the group is left either way."""
+    from types import SimpleNamespace
+
+    from infer.core import distributed, engine, worker
+
+    class Dist:
+        def __init__(self, messages):
+            self.messages, self.closed = list(messages), False
+
+        def check_agreement(self, fingerprint):
+            pass
+
+        def broadcast(self, _):
+            return self.messages.pop(0)
+
+        def close(self):
+            self.closed = True
+
+    calls = []
+    runner = SimpleNamespace(allocate_kv_caches=lambda n, b: calls.append(("kv", n, b)),
+                             release_kv_caches=lambda: calls.append(("release",)))
+    monkeypatch.setattr(engine, "build_model", lambda *a, **k: SimpleNamespace(runner=runner))
+    spec = {"engine_args": {"backend": "cpu_ref"}, "parallel": {}, "local_rank": 0, "rank": 1}
+    dist = Dist([("kv", 4, 16), ("release",), ("stop",), ("kv", 1, 1)])
+    monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
+    worker.run(spec)
+    assert calls == [("kv", 4, 16), ("release",)] and dist.closed and dist.messages == [("kv", 1, 1)]
+    dist = Dist([("bogus",)])
+    monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
+    with pytest.raises(RuntimeError, match="unknown message 'bogus'"):
+        worker.run(spec)
+    assert dist.closed
+
+
 def test_shared_expert_is_reduced_with_the_moe_not_alone():
     cfg = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
                intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
