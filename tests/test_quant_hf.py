@@ -290,6 +290,22 @@ def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatc
     assert got == want
 
 
+def test_a_shard_of_a_quantized_weight_is_read_dequantized(tmp_path):
+    """read_slice of a quantized projection dequantizes the whole matrix, then cuts it; a float
+    tensor of the same checkpoint is cut as stored."""
+    from infer.core.loader.load import open_checkpoint
+    from infer.core.loader.quant_hf import QuantizedHF
+
+    _, deq = write_checkpoint(tmp_path, "fp8_channel")
+    ckpt = open_checkpoint(str(tmp_path))
+    assert isinstance(ckpt, QuantizedHF)
+    name = next(n for n in deq if n.endswith("q_proj.weight"))
+    np.testing.assert_allclose(ckpt.read_slice(name, 0, 2, 5), deq[name][2:5], rtol=1e-6)
+    np.testing.assert_allclose(ckpt.read_slice(name, 1, 3, 9), deq[name][:, 3:9], rtol=1e-6)
+    norm = next(n for n in deq if n.endswith("input_layernorm.weight"))
+    np.testing.assert_array_equal(ckpt.read_slice(norm, 0, 1, 4), deq[norm][1:4])
+
+
 def test_awq_packings_other_than_gemm_are_refused(tmp_path):
     """AWQ's GEMV packing orders the nibbles differently: refused by name, not misread."""
     write_checkpoint(tmp_path, "awq")

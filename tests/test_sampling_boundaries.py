@@ -141,7 +141,11 @@ def test_penalised_greedy_token(backend, case):
 def test_validation_accepts_the_boundary_values_and_rejects_just_past_them():
     SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, min_p=1.0, top_k=0)
     SamplingParams(min_p=0.0, top_k=-1, presence_penalty=2.0, frequency_penalty=-2.0)
-    SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0)
+    SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, seed=-(2**63))
+    SamplingParams(seed=2**63 - 1)
+    for seed in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
     for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(min_p=1.01), dict(temperature=-0.01),
                 dict(presence_penalty=2.01), dict(repetition_penalty=0.0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
