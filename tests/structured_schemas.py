@@ -99,3 +99,13 @@ CHOICES: list[tuple[str, list[str]]] = [
     ("Is the sky blue? Answer:", ["yes", "no"]),
     ("The best pet is a", ["cat", "dog", "fish", "parrot"]),
 ]
+
+
+# Two tools for tool-calling tests on tiny models (enums keep a random model's arguments short).
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]

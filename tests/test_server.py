@@ -24,6 +24,7 @@ import torch
 import transformers
 from hypothesis import HealthCheck, given, settings
 from server_harness import Server, make_tiny_model_dir, metric, wait_idle
+from structured_schemas import TOOLS
 
 KEY = "sk-test-key"
 MODELS = ("tiny-a", "tiny-b")
@@ -298,13 +299,6 @@ def test_probes_need_no_key(server):
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
-        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 BAD = [  # (path, body, status, param)
     (COMP, b"{not json", 400, None),
     (COMP, b"[1, 2]", 400, None),

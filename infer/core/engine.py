@@ -506,7 +506,9 @@ class LLMEngine:
         comp = CompletionState(index, req, p, seed, detok)
         if state.grammar is not None and not req.is_finished:
             comp.matcher = state.grammar.matcher()  # compiled at admission: the step never waits for one
-            if self.reasoning is not None and detok is not None:
+            if self.reasoning is not None and detok is not None and state.completions:
+                comp.reasoning = state.completions[0].reasoning  # a fork, made before its parent's first token
+            elif self.reasoning is not None and detok is not None:
                 # The grammar waits for the end of the reasoning, unless the prompt already closed it.
                 tail = self.tokenizer.decode(state.prompt_token_ids[-64:])
                 comp.reasoning = None if _closed(tail, self.reasoning) else self.reasoning
