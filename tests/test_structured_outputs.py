@@ -119,6 +119,39 @@ def test_unconstrained_and_constrained_requests_share_a_batch(llm):
     assert all(re.fullmatch(REGEX, t) for t in texts(mixed[1]))
 
 
+def test_unmasked_first_sampling_gives_the_masked_tokens(llm, monkeypatch):
+    """Rows that sample without their mask first (greedy, or unfiltered sampling)
+    and rows that must not (top-k/top-p/min-p) give exactly the tokens of masking
+    every row every step, with and without logprobs and min_tokens bans."""
+    from infer.core import engine as engine_mod
+
+    loose = S(regex=r"[a-z ]{3,40}\.")  # room for the model's own choice: some first choices pass
+    specs = [S(json=SCHEMA, disable_any_whitespace=True), loose, S(choice=CHOICES)]
+    settings = [dict(temperature=0.0, n=1), dict(), dict(logprobs=3, min_tokens=4),
+                dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1)]
+    params = [sampled(max_tokens=48, **kw, structured_outputs=spec) for spec in specs for kw in settings]
+    prompts = [f"Item {i}:" for i in range(len(params))]
+    verdicts = []
+    allows = {kind: kind.allows for kind in {type(m) for m in (llm.engine.structured.compile(x).result().matcher()
+                                                                 for x in specs)}}
+    for kind, real in allows.items():
+        monkeypatch.setattr(kind, "allows", lambda self, t, real=real: verdicts.append(real(self, t)) or verdicts[-1])
+    skipped = llm.engine.grammar_masks_skipped
+    lazy = llm.generate(prompts, params, use_tqdm=False)
+    assert True in verdicts and False in verdicts  # both the kept and the resampled path ran
+    assert llm.engine.grammar_masks_skipped - skipped == verdicts.count(True)
+    # A refused row masks first for one step only, then tries unmasked again.
+    unfiltered = [o for i, o in enumerate(lazy) if i % len(settings) < 3]
+    assert len(verdicts) >= sum(len(c.token_ids) // 2 for o in unfiltered for c in o.outputs)
+    monkeypatch.setattr(engine_mod, "deferrable", lambda c: False)
+    eager = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(lazy, eager):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids and x.text == y.text
+            assert x.logprobs == y.logprobs and x.cumulative_logprob == pytest.approx(y.cumulative_logprob)
+    assert all(re.fullmatch(r"[a-z ]{3,40}\.", t) for t in texts(lazy[len(settings)]))
+
+
 def test_min_tokens_bans_eos_only_while_the_grammar_allows_more():
     class Fixed(Matcher):  # a matcher that allows the given tokens (and ends nowhere)
         def __init__(self, allowed):
@@ -252,7 +285,7 @@ def test_compiled_grammars_are_cached_by_spec(llm):
 
 
 @pytest.mark.parametrize("backend", GRAMMAR_BACKENDS)
-def test_matcher_rollback_restores_the_mask(backend, model_dir):
+def test_matcher_rollback_and_allows_leave_the_mask(backend, model_dir):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     so = StructuredOutputs(backend, tok, len(tok), (tok.eos_token_id,))
     m = so.compile(S(regex="[a-z]+-[0-9]+")).result().matcher()
@@ -271,6 +304,15 @@ def test_matcher_rollback_restores_the_mask(backend, model_dir):
     assert (masks[0] == masks[2]).all()
     assert not m.accept(tok.convert_tokens_to_ids("]"))  # a token the grammar forbids here
     assert not m.is_terminated()
+    # `allows` answers as the mask's bit does, for every token, and moves nothing.
+    for t in ids[2:]:
+        assert m.accept(t)
+    bits = lambda row: [bool((int(masks[row, t // 32]) >> (t % 32)) & 1) for t in range(len(tok))]  # noqa: E731
+    m.fill_bitmask(masks, 0)
+    assert [m.allows(t) for t in range(len(tok))] == bits(0)
+    assert bits(0)[tok.eos_token_id] and m.allows(tok.eos_token_id) and not m.is_terminated()
+    m.fill_bitmask(masks, 2)
+    assert (masks[0] == masks[2]).all() and (masks[1] == masks[2]).all()
     so.shutdown()
 
 

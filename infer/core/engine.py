@@ -30,7 +30,7 @@ from .quant_params import QUANTIZATIONS
 from .outputs import RequestOutput
 from .request import Request, RequestStatus, SeqId
 from .request_state import CompletionState, RequestState
-from .sampling_batch import build_sampling_tensors
+from .sampling_batch import build_sampling_tensors, deferrable
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, StepOutput, StepResult
@@ -275,6 +275,7 @@ class LLMEngine:
         # Requests whose grammar is still compiling: (state, first request, compile future).
         self._awaiting_grammar: list[tuple[RequestState, Request, Future]] = []
         self._finished_unscheduled: set[str] = set()  # aborted while awaiting their grammar
+        self.grammar_masks_skipped = 0  # grammar rows whose unmasked choice the grammar allowed
 
     # -- distributed ---------------------------------------------------------------
     def _to_workers(self, message: tuple) -> None:
@@ -627,12 +628,39 @@ class LLMEngine:
             return step, self.scheduler.update_from_output(out, step)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[be.asarray(np.array(rows, dtype=np.int64))]
-        params = be.prepare_sampling(build_sampling_tensors(comps, self.vocab_size))
-        sampled = self._sample(logits, params)
+        deferred = frozenset(i for i, c in enumerate(comps) if deferrable(c))
+        for c in comps:
+            c.mask_next = False  # masked first this step if it was set: unmasked first again next step
+        sampled = self._sample(logits, be.prepare_sampling(build_sampling_tensors(comps, self.vocab_size, deferred)))
         host = (lambda x: be.to_numpy(x) if x is not None else None)
         step = StepOutput([c.request.request_id for c in comps], host(sampled.token_ids), host(sampled.logprobs),
                           host(sampled.ranks), host(sampled.top_token_ids), host(sampled.top_logprobs))
+        if deferred:
+            self._resample_refused(logits, comps, deferred, step)
         return step, self.scheduler.update_from_output(out, step)
+
+    def _resample_refused(self, logits, comps: list[CompletionState], deferred: frozenset, step: StepOutput) -> None:
+        """Grammar rows sampled unmasked (`deferrable`): those whose token the grammar
+        refuses are sampled again under their masks (only their rows), into `step`."""
+        refused = []
+        for i in sorted(deferred):
+            ok = comps[i].matcher.allows(int(step.token_ids[i]))
+            comps[i].mask_next = not ok
+            if not ok:
+                refused.append(i)
+        self.grammar_masks_skipped += len(deferred) - len(refused)
+        if not refused:
+            return
+        be, idx = self.backend, np.array(refused, dtype=np.int64)
+        again = self._sample(logits[be.asarray(idx)],
+                             be.prepare_sampling(build_sampling_tensors([comps[i] for i in refused], self.vocab_size)))
+        step.token_ids = np.array(step.token_ids)  # a backend's host view may be read-only
+        step.token_ids[idx] = be.to_numpy(again.token_ids)
+        step.logprobs = np.array(step.logprobs)
+        step.logprobs[idx] = be.to_numpy(again.logprobs)
+        if step.ranks is not None and again.ranks is not None:
+            step.ranks = np.array(step.ranks)
+            step.ranks[idx] = be.to_numpy(again.ranks)
 
     def _process(self, step: StepOutput, result: StepResult) -> None:
         """Per new token: grammar, logprobs and text; a stop string or the grammar's end finishes its request."""

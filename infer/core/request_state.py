@@ -36,6 +36,7 @@ class CompletionState:
     matcher: Matcher | None = None  # structured outputs: where the output is in its grammar
     # The reasoning parser while the grammar waits for the reasoning to end (then None).
     reasoning: Any = None
+    mask_next: bool = False  # the grammar refused the unmasked argmax last step: mask first next step
 
     def __post_init__(self):
         if self.params.logprobs is not None:

@@ -21,11 +21,23 @@ def _constrained(c: CompletionState) -> bool:
     return c.matcher is not None and c.reasoning is None and not c.matcher.is_terminated()
 
 
-def token_bitmask(rows: list[CompletionState], vocab_size: int) -> np.ndarray | None:
+def deferrable(c: CompletionState) -> bool:
+    """A grammar row may sample without its mask first when that cannot change its
+    token: sampling takes argmax(logits / T + noise(seed, step, token)), so when no
+    top-k/top-p/min-p filter depends on which tokens the mask removes, the unmasked
+    winner (bans applied) is the masked winner whenever the grammar allows it. The
+    mask is then only filled for rows whose first choice the grammar refuses
+    (llama.cpp samples grammars this way). `mask_next`: refused last step."""
+    p = c.params
+    unfiltered = p.temperature == 0 or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
+    return unfiltered and not c.mask_next and _constrained(c)
+
+
+def token_bitmask(rows: list[CompletionState], vocab_size: int, deferred=frozenset()) -> np.ndarray | None:
     """The structured-output bitmask of a step's rows (all ones for a row without
-    a grammar), with each grammar row's banned tokens (EOS before min_tokens)
-    cleared unless the grammar allows nothing else; None when no row has one."""
-    constrained = [_constrained(c) for c in rows]
+    a grammar or in `deferred`), with each grammar row's banned tokens (EOS before
+    min_tokens) cleared unless the grammar allows nothing else; None when no row has one."""
+    constrained = [_constrained(c) and i not in deferred for i, c in enumerate(rows)]
     if not any(constrained):
         return None
     mask = np.full((len(rows), -(-vocab_size // 32)), -1, dtype=np.int32)
@@ -48,7 +60,9 @@ def token_bitmask(rows: list[CompletionState], vocab_size: int) -> np.ndarray | 
     return mask
 
 
-def build_sampling_tensors(rows: list[CompletionState], vocab_size: int) -> SamplingTensors:
+def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferred=frozenset()) -> SamplingTensors:
+    """`deferred`: indices of grammar rows sampled without their mask this time
+    (their bans go to logit_bias, as an unconstrained row's)."""
     ps = [c.params for c in rows]
     f32 = lambda xs: np.array(xs, dtype=np.float32)  # noqa: E731
     t = SamplingTensors(
@@ -69,10 +83,11 @@ def build_sampling_tensors(rows: list[CompletionState], vocab_size: int) -> Samp
         t.prompt_token_ids = _padded([c.request.prompt_token_ids for c in rows])
     if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
         t.output_token_ids = _padded([c.request.output_token_ids for c in rows])
-    t.token_bitmask = token_bitmask(rows, vocab_size)
-    # A grammar row's bans are in its bitmask (where the grammar leaves another choice).
-    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if _constrained(c) else c.banned_tokens())}
-              for c in rows]
+    t.token_bitmask = token_bitmask(rows, vocab_size, deferred)
+    # A masked grammar row's bans are in its bitmask (where the grammar leaves another choice).
+    masked = [_constrained(c) and i not in deferred for i, c in enumerate(rows)]
+    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if masked[i] else c.banned_tokens())}
+              for i, c in enumerate(rows)]
     if any(biases):
         t.logit_bias_ids = _padded([list(b) for b in biases])
         values = np.zeros(t.logit_bias_ids.shape, dtype=np.float32)
