@@ -138,6 +138,27 @@ class IgnoresTokenBitmask(CpuRefBackend):
         return CpuRefBackend.sample(logits, replace(params, token_bitmask=None))
 
 
+class AcceptsEveryDraft(CpuRefBackend):
+    name = "mutant"
+
+    def sample(self, logits, params):
+        out = CpuRefBackend.sample(logits, params)
+        if params.draft_token_ids is not None:
+            has = params.draft_token_ids >= 0
+            out.token_ids = np.where(has, params.draft_token_ids, out.token_ids)
+            out.logprobs = CpuRefBackend.sample(logits, replace(params, draft_token_ids=None, draft_probs=None,
+                                                                temperature=np.zeros_like(params.temperature))).logprobs
+            out.accepted = has
+        return out
+
+
+class TakesDraftsAsOneHot(CpuRefBackend):
+    name = "mutant"
+
+    def sample(self, logits, params):
+        return CpuRefBackend.sample(logits, replace(params, draft_probs=None))
+
+
 class ForgetsResidualSum(CpuRefBackend):
     name = "mutant"
 
@@ -172,6 +193,9 @@ MUTANTS = [
     (IgnoresLogitBias, "sample", {"logit_bias", "bitmask_bias_penalties_logprobs"}),
     (IgnoresTokenBitmask, "sample", {"bitmask_greedy", "bitmask_one_allowed", "bitmask_filters",
                                      "bitmask_bias_penalties_logprobs", "bitmask_vocab100"}),
+    (AcceptsEveryDraft, "sample", {"draft_onehot_greedy", "draft_onehot_sampled", "draft_probs_sampled",
+                                   "draft_filters_bitmask"}),
+    (TakesDraftsAsOneHot, "sample", {"draft_probs_sampled", "draft_filters_bitmask"}),
     (ForgetsResidualSum, "rms_norm", {"residual_h64", "one_token"}),
     (CopiesNoBlocks, "copy_blocks", {"two_blocks"}),
 ]

@@ -44,3 +44,14 @@ def uniforms(seeds: np.ndarray, steps: np.ndarray, vocab_size: int) -> np.ndarra
 def gumbel_noise(seeds: np.ndarray, steps: np.ndarray, vocab_size: int) -> np.ndarray:
     """[B, V] float32 standard Gumbel noise, ``-log(-log(u))``."""
     return (-np.log(-np.log(uniforms(seeds, steps, vocab_size)))).astype(np.float32)
+
+
+# The token key of a draft's acceptance uniform: an id no vocabulary reaches.
+ACCEPT_ID = np.uint64(0xFFFFFFFF)
+
+
+def acceptance_uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """[B] float64 uniforms in (0, 1) deciding speculative drafts (`sample` step 6):
+    the hash of `uniforms` at token id 2**32 - 1, independent of the Gumbel noise."""
+    h = mix32(request_keys(seeds, steps) ^ mix32(np.full(len(seeds), ACCEPT_ID) + GOLDEN))
+    return ((h >> np.uint64(8)).astype(np.float64) + 0.5) / float(1 << 24)

@@ -265,6 +265,17 @@ def check_sample(logits, params) -> None:
                                          f"{list(getattr(mask, 'shape', []))}")
 
 
+    drafts = params.draft_token_ids
+    if drafts is not None:
+        if tuple(int(s) for s in getattr(drafts, "shape", ())) != (b,) or dtype_name(drafts) != "int64":
+            raise PrimitiveArgumentError("sample", "params.draft_token_ids", f"must be int64 [{b}] (-1: no draft)")
+    if params.draft_probs is not None:
+        if drafts is None:
+            raise PrimitiveArgumentError("sample", "params.draft_probs", "needs draft_token_ids")
+        if tuple(int(s) for s in params.draft_probs.shape) != tuple(int(s) for s in logits.shape):
+            raise PrimitiveArgumentError("sample", "params.draft_probs", f"must be float32 {list(logits.shape)}")
+
+
 def check_all_reduce(x, group=None) -> None:
     if not hasattr(x, "shape"):
         raise PrimitiveArgumentError("all_reduce", "x", f"must be an array, got {type(x).__name__}")

@@ -125,6 +125,18 @@ class SamplingTensors:
          the counter-based function of (seed, step, token id) defined by
          `infer.primitives.noise.gumbel_noise`; the same seed and step
          give the same token on every backend, whatever else is in the batch.
+      6. speculative decoding: a row with a drafted token d (``draft_token_ids``
+         >= 0) verifies it against the row's distribution p, which is
+         softmax(filtered_logits) of step 4 (one-hot at the argmax of step 3 for
+         a greedy row), and the drafter's q (``draft_probs``; one-hot at d when
+         None, as n-gram drafts are). d is accepted when u * q(d) < p(d), with u
+         = `infer.primitives.noise.acceptance_uniforms` of (seed, step): with
+         probability min(1, p(d) / q(d)). An accepted row returns d; a rejected
+         one returns argmax(log(max(p - q, 0)) + gumbel) with step 5's noise
+         (max(p - q, 0) normalised is the residual distribution; log p when it
+         is all zero). Whatever q is, the token follows p. A greedy row accepts d
+         exactly when d is its argmax and otherwise returns the argmax. Rows
+         without a draft are sampled by steps 3-5 as usual.
 
     Fields:
       temperature        [B] float32, 0 means greedy.
@@ -150,6 +162,10 @@ class SamplingTensors:
                          ones; bits past V are ignored. The core guarantees a
                          row allows at least one token.
       max_num_logprobs   int, how many top logprobs to return per row (0: none).
+      draft_token_ids    [B] int64, the drafted token each row verifies (-1: none),
+                         or None when no row has one (step 6).
+      draft_probs        [B, V] float32, the drafter's distribution per row, or
+                         None: one-hot at the drafted token (n-gram drafts).
     """
 
     temperature: Any
@@ -167,6 +183,8 @@ class SamplingTensors:
     logit_bias_values: Any = None
     token_bitmask: Any = None
     max_num_logprobs: int = 0
+    draft_token_ids: Any = None
+    draft_probs: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -185,6 +203,9 @@ class SampleOutput:
       ranks          [B] int64 when K > 0, else None: 1-based rank of each
                      sampled token among the raw logprobs (1 + how many
                      tokens have a strictly higher one), as vLLM reports it.
+      accepted       [B] bool when `draft_token_ids` was given, else None:
+                     the row's drafted token was accepted (False for rows
+                     without one).
     """
 
     token_ids: Any
@@ -192,6 +213,7 @@ class SampleOutput:
     top_token_ids: Any = None
     top_logprobs: Any = None
     ranks: Any = None
+    accepted: Any = None
 
 
 class WeightHandle(ABC):

@@ -188,6 +188,11 @@ def call_sample(h: Harness, x: dict) -> None:
     res: SampleOutput = h.call("sample", logits=h.i(x["logits"]), params=h.backend.prepare_sampling(x["params"]))
     h.out("token_ids", res.token_ids, dtype="int64")
     h.out("logprobs", res.logprobs, dtype="float32")
+    if x["params"].draft_token_ids is not None:
+        if res.accepted is None:
+            h.problems.append("draft_token_ids given but accepted is None")
+        else:
+            h.out("accepted", res.accepted, dtype="bool")
     if x["params"].max_num_logprobs:
         if res.top_token_ids is None or res.top_logprobs is None:
             h.problems.append("max_num_logprobs > 0 but top_token_ids/top_logprobs is None")

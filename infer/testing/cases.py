@@ -142,6 +142,12 @@ _SAMPLE_SPECS = [
     ("bitmask_bias_penalties_logprobs", dict(temperature=[0.0, 0.8, 0.0, 1.0], bitmask=True, logit_bias=True,
                                              penalties=True, logprobs=3)),
     ("bitmask_vocab100", dict(v=100, temperature=[0.0, 1.0, 0.0, 0.6], bitmask=True)),
+    # Speculative decoding (step 6): n-gram drafts (q one-hot) and a draft model's q.
+    ("draft_onehot_greedy", dict(b=6, temperature=0.0, drafts="onehot")),
+    ("draft_onehot_sampled", dict(b=9, temperature=[0.7, 1.0, 1.5], drafts="onehot")),
+    ("draft_probs_sampled", dict(b=9, temperature=[0.0, 1.0, 0.8], drafts="probs", logprobs=2)),
+    ("draft_filters_bitmask", dict(b=12, temperature=[0.9, 1.2, 0.0, 1.0] * 3, top_k=[0, 5] * 6,
+                                   top_p=[1.0, 0.8, 1.0, 0.9] * 3, bitmask=True, penalties=True, drafts="probs")),
     ("vocab1000", dict(v=1000, temperature=[0.0, 1.0, 0.6, 1.2], top_k=[0, 50, 0, 10], top_p=[1.0, 0.9, 0.7, 1.0])),
 ]
 

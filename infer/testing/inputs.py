@@ -215,7 +215,7 @@ def token_bitmask(rng, logits: np.ndarray, density: float | None = 0.3, banned=(
 
 
 def sample(rng, dtype, temperature, b=4, v=96, top_k=0, top_p=1.0, min_p=0.0, penalties=False,
-           logit_bias=False, logprobs=0, ties=0, same_seed=False, bitmask=False):
+           logit_bias=False, logprobs=0, ties=0, same_seed=False, bitmask=False, drafts=None):
     logits = (rng.standard_normal((b, v)) * 3.0).astype(np.float32)
     for row in logits if ties else ():  # `ties` ids share the row maximum, well above the rest
         row[rng.choice(v, ties, replace=False)] = row.max() + 2.0
@@ -255,7 +255,31 @@ def sample(rng, dtype, temperature, b=4, v=96, top_k=0, top_p=1.0, min_p=0.0, pe
         biased = params.get("logit_bias_ids")
         params["token_bitmask"] = token_bitmask(rng, logits, None if bitmask == "one" else 0.3,
                                                 biased if biased is not None else ())
+    if drafts:  # "onehot" (n-gram) or "probs" (a draft model's q): step 6 of the contract
+        params["draft_token_ids"], params["draft_probs"] = draft_inputs(rng, logits, drafts)
     return {"logits": logits, "params": SamplingTensors(**params)}
+
+
+def draft_inputs(rng, logits: np.ndarray, kind: str):
+    """Drafted tokens for `logits` [B, V]: the last row has none (-1), every third
+    row drafts its argmax (greedy accepts it, sampling likely does), the others a
+    random token; with "probs", q is a random peaked distribution per row and the
+    drafts are drawn from it."""
+    b, v = logits.shape
+    ids = rng.integers(0, v, b).astype(np.int64)
+    ids[::3] = np.argmax(logits[::3], axis=1)
+    probs = None
+    if kind == "probs":
+        z = rng.standard_normal((b, v)) * 2.0 + 0.5 * logits
+        probs = np.exp(z - z.max(axis=1, keepdims=True))
+        probs = (probs / probs.sum(axis=1, keepdims=True)).astype(np.float32)
+        for r in range(b):
+            if r % 3:
+                q = probs[r].astype(np.float64)
+                ids[r] = rng.choice(v, p=q / q.sum())
+    if b:
+        ids[-1] = -1
+    return ids, probs
 
 
 def _per_rank(rng, dtype, world_size=2, shape=(4, 6)) -> list[np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...primitives.types import SampleOutput, SamplingTensors
-from ...primitives.noise import gumbel_noise
+from ...primitives.noise import acceptance_uniforms, gumbel_noise
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -73,19 +73,43 @@ def filter_logits(x: np.ndarray, p: SamplingTensors, b: int) -> np.ndarray:
     return x
 
 
+def verify_draft(p: np.ndarray, d: int, params: SamplingTensors, b: int, noise: np.ndarray) -> tuple[int, bool]:
+    """Step 6 for one sampled row: (token, accepted) for draft d under p."""
+    if params.draft_probs is None:
+        q = np.zeros_like(p)
+        q[d] = 1.0
+    else:
+        q = params.draft_probs[b].astype(np.float64)
+    u = float(acceptance_uniforms(params.seeds[b : b + 1], params.steps[b : b + 1])[0])
+    if u * q[d] < p[d]:
+        return d, True
+    residual = np.maximum(p - q, 0.0)
+    with np.errstate(divide="ignore"):
+        r = np.log(residual if residual.any() else p)
+    return int(np.argmax(r + noise)), False
+
+
 def sample(logits: np.ndarray, params: SamplingTensors) -> SampleOutput:
     n, vocab = logits.shape
     raw = log_softmax(logits.astype(np.float64))
     tokens = np.zeros(n, dtype=np.int64)
+    drafts = params.draft_token_ids
+    accepted = np.zeros(n, dtype=bool)
     for b in range(n):
         x = apply_penalties(logits[b].astype(np.float64), params, b)
+        d = -1 if drafts is None else int(drafts[b])
         if float(params.temperature[b]) == 0.0:
             tokens[b] = int(np.argmax(x))  # argmax takes the lowest id on ties
+            accepted[b] = d == tokens[b]
             continue
         x = filter_logits(x, params, b)
         noise = gumbel_noise(params.seeds[b : b + 1], params.steps[b : b + 1], vocab)[0]
-        tokens[b] = int(np.argmax(x + noise))
-    out = SampleOutput(token_ids=tokens, logprobs=raw[np.arange(n), tokens].astype(np.float32))
+        if d < 0:
+            tokens[b] = int(np.argmax(x + noise))
+            continue
+        tokens[b], accepted[b] = verify_draft(softmax(x), d, params, b, noise)
+    out = SampleOutput(token_ids=tokens, logprobs=raw[np.arange(n), tokens].astype(np.float32),
+                       accepted=None if drafts is None else accepted)
     k = params.max_num_logprobs
     if k > 0:
         top = np.argsort(-raw, axis=-1, kind="stable")[:, :k]

@@ -88,3 +88,13 @@ def gumbel_noise_at(seeds: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor
     """
     keys = request_keys(seeds, steps).index_select(0, rows)
     return _gumbel64(keys, token_keys(token_ids)).float()
+
+
+ACCEPT_ID = 0xFFFFFFFF  # the token key of a draft's acceptance uniform (no vocabulary reaches it)
+
+
+def acceptance_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] float64 uniforms of `infer.primitives.noise.acceptance_uniforms`, bit for bit."""
+    key = token_keys(torch.full_like(seeds.long(), ACCEPT_ID))
+    h = _mix32_(request_keys(seeds, steps) ^ key)
+    return h.bitwise_right_shift_(8).double().add_(0.5).div_(float(1 << 24))

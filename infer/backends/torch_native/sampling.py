@@ -14,7 +14,7 @@ import torch
 
 from ...primitives.types import SampleOutput, SamplingTensors
 from .native import ops as native
-from .noise import gumbel_noise, gumbel_noise_at
+from .noise import acceptance_uniforms, gumbel_noise, gumbel_noise_at
 from .ranking import top_p_mask, topk_lowest_id
 
 NEG_INF = float("-inf")
@@ -134,6 +134,26 @@ def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     return noisy.argmax(dim=-1)
 
 
+def verify_drafts(z: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, seeds, steps):
+    """Step 6 of `SamplingTensors` on sampled rows: (tokens, accepted). `z`: the
+    rows' filtered logits; rows whose draft is -1 take the plain Gumbel argmax."""
+    has = drafts >= 0
+    d = drafts.clamp(min=0)[:, None]
+    p = torch.softmax(z.double(), dim=-1)  # float64, as the reference decides u * q(d) < p(d)
+    if q is None:
+        q = torch.zeros_like(p).scatter_(1, d, 1.0)
+    else:
+        q = q.double()
+    u = acceptance_uniforms(seeds, steps)
+    ok = has & (u * q.gather(1, d).squeeze(1) < p.gather(1, d).squeeze(1))
+    residual = (p - q).clamp_(min=0)
+    residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)
+    resampled = gumbel_noise(seeds, steps, z.shape[1]).double().add_(residual.log()).argmax(dim=-1)
+    plain = gumbel_argmax(z, seeds, steps) if bool((~has).any()) else resampled
+    tokens = torch.where(ok, d.squeeze(1), torch.where(has, resampled, plain))
+    return tokens, ok
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors, mask_tokens=apply_token_bitmask) -> SampleOutput:
     """The torch `sample`; `mask_tokens(x, bitmask)` is the step a backend with
     its own kernel for the structured-output mask replaces (cuda: Triton)."""
@@ -143,18 +163,26 @@ def sample(logits: torch.Tensor, params: SamplingTensors, mask_tokens=apply_toke
     if params.token_bitmask is not None:
         x = mask_tokens(x, params.token_bitmask)
     greedy = params.temperature == 0
+    drafts = params.draft_token_ids
     tokens = torch.zeros(n, dtype=torch.int64, device=logits.device)
     if bool(greedy.any()):
         tokens = x.argmax(dim=-1)  # documented to return the first maximum
+    accepted = None if drafts is None else greedy & (drafts.long() == tokens)
     rows = torch.nonzero(~greedy).flatten()
     if rows.numel():
         every_row = rows.numel() == n  # then row selection would only copy
         pick = (lambda t: t) if every_row else (lambda t: t.index_select(0, rows))  # noqa: E731
         per_row = (params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.steps)
         temperature, top_k, top_p, min_p, seeds, steps = map(pick, per_row)
-        sampled = gumbel_argmax(filter_logits(pick(x), temperature, top_k, top_p, min_p), seeds, steps)
+        z = filter_logits(pick(x), temperature, top_k, top_p, min_p)
+        if drafts is None:
+            sampled = gumbel_argmax(z, seeds, steps)
+        else:
+            probs = None if params.draft_probs is None else pick(params.draft_probs)
+            sampled, ok = verify_drafts(z, pick(drafts).long(), probs, seeds, steps)
+            accepted = ok if every_row else accepted.index_copy(0, rows, ok)
         tokens = sampled if every_row else tokens.index_copy(0, rows, sampled)
-    out = SampleOutput(token_ids=tokens, logprobs=raw.gather(1, tokens[:, None]).squeeze(1))
+    out = SampleOutput(token_ids=tokens, logprobs=raw.gather(1, tokens[:, None]).squeeze(1), accepted=accepted)
     if params.max_num_logprobs > 0:
         out.top_logprobs, out.top_token_ids = topk_lowest_id(raw, min(params.max_num_logprobs, vocab))
         out.ranks = (raw > out.logprobs[:, None]).sum(dim=1) + 1
