@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split <think>...</think> reasoning from the answer (deepseek_r1, qwen3, or a plugin's); "
                         "structured outputs then constrain the answer after the reasoning")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+                        '"prompt_lookup_max": 4}\' (docs/speculative_decoding.md)')
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "fp8"],
                    help="auto: keep a quantized checkpoint (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8) quantized with a 16-bit "
                         "--dtype (dequantized for float32); "
@@ -64,7 +67,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
              "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
-             "structured_outputs_backend", "reasoning_parser",
+             "structured_outputs_backend", "reasoning_parser", "speculative_config",
              "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
              "master_addr", "master_port")

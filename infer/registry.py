@@ -23,6 +23,7 @@ BUILTIN_PLUGINS = (
     "infer.core.models",
     "infer.server.tool_parsers",
     "infer.server.reasoning",
+    "infer.core.speculative",
 )
 # `--backend auto` takes the first available of these.
 AUTO_ORDER = ("cuda", "ascend", "torch")
@@ -48,6 +49,7 @@ class Registry:
     models: dict[str, Any] = field(default_factory=dict)
     tool_parsers: dict[str, type] = field(default_factory=dict)
     reasoning_parsers: dict[str, type] = field(default_factory=dict)
+    spec_proposers: dict[str, type] = field(default_factory=dict)
     # Plugins that failed to load: name -> reason. Reported, never fatal.
     broken: dict[str, str] = field(default_factory=dict)
 
@@ -89,6 +91,7 @@ def build_registry(entry_points: bool = True) -> Registry:
         reg.models.update(models or {})
     reg.tool_parsers = _named_classes(reg, "infer_register_tool_parsers", "tool parser")
     reg.reasoning_parsers = _named_classes(reg, "infer_register_reasoning_parsers", "reasoning parser")
+    reg.spec_proposers = _named_classes(reg, "infer_register_spec_proposers", "speculative method")
     return reg
 
 
@@ -173,3 +176,8 @@ def get_tool_parser(name: str) -> type:
 def get_reasoning_parser(name: str) -> type:
     """The reasoning parser class registered as `name`; ValueError lists the known names."""
     return _lookup(registry().reasoning_parsers, "reasoning parser", name)
+
+
+def get_spec_proposer(method: str) -> type:
+    """The draft proposer class registered for speculative `method`; ValueError lists the known ones."""
+    return _lookup(registry().spec_proposers, "speculative method", method)

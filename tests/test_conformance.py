@@ -188,11 +188,11 @@ MUTANTS = [
     (HighestExpertOnTies, "moe", {"top1_ties_lowest_id", "top2_ties_lowest_id"}),
     (UngatedSharedExpert, "moe", {"shared_gated_top4", "shared_gated_one_token"}),
     (WritesPaddedSlots, "kv_write", {"padded_minus1_slots"}),
-    (IgnoresPenalties, "sample", {"penalties", "logprobs"}),
+    (IgnoresPenalties, "sample", {"penalties", "logprobs", "draft_filters_bitmask"}),
     # Row 0 of the bitmask case is unconstrained and banned its best token by bias.
     (IgnoresLogitBias, "sample", {"logit_bias", "bitmask_bias_penalties_logprobs"}),
     (IgnoresTokenBitmask, "sample", {"bitmask_greedy", "bitmask_one_allowed", "bitmask_filters",
-                                     "bitmask_bias_penalties_logprobs", "bitmask_vocab100"}),
+                                     "bitmask_bias_penalties_logprobs", "bitmask_vocab100", "draft_filters_bitmask"}),
     (AcceptsEveryDraft, "sample", {"draft_onehot_greedy", "draft_onehot_sampled", "draft_probs_sampled",
                                    "draft_filters_bitmask"}),
     (TakesDraftsAsOneHot, "sample", {"draft_probs_sampled", "draft_filters_bitmask"}),

@@ -155,7 +155,7 @@ def test_validation_accepts_the_boundary_values_and_rejects_just_past_them():
 def test_token_histories_of_different_lengths_are_padded_with_minus_one_never_a_token_id():
     """Padding with 0 would penalise token 0 for every shorter row."""
     def row(prompt, output):
-        return SimpleNamespace(params=SamplingParams(repetition_penalty=1.2), seed=0, banned_tokens=lambda: (),
+        return SimpleNamespace(params=SamplingParams(repetition_penalty=1.2), seed=0, banned_tokens=lambda ahead=0: (),
                                request=Request("r", prompt, output_token_ids=output), matcher=None)
 
     t = build_sampling_tensors([row([5, 6, 7], [8]), row([9], [])], vocab_size=16)

@@ -91,3 +91,199 @@ def test_greedy_rows_accept_exactly_their_argmax_and_rows_without_drafts_sample_
         assert not accepted[none].any()
         assert (tokens[none] == backend.to_numpy(plain.token_ids)[none]).all()
         assert plain.accepted is None
+
+
+# -- through the engine ------------------------------------------------------------------
+
+from server_harness import make_tiny_model_dir  # noqa: E402
+
+from infer.core.llm import LLM  # noqa: E402
+from infer.core.sampling_params import SamplingParams  # noqa: E402
+from infer.core.speculative import NgramProposer, Proposer, SpeculativeConfig  # noqa: E402
+from infer.registry import registry  # noqa: E402
+
+PROMPTS = ["The cat sat on", "Once upon a time", "x y z", "Numbers: 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-spec"), seed=5))
+
+
+class ScriptProposer(Proposer):
+    """Drafts a known continuation (each prompt's plain greedy output), wrong at
+    every output position in `wrong`: whole, partial and no acceptance all occur."""
+
+    method = "script"
+    script: dict[tuple, list[int]] = {}
+    wrong = frozenset({2, 7, 8, 13})
+    calls = 0
+
+    def propose(self, token_ids, max_drafts):
+        type(self).calls += 1
+        out = []
+        for ids, k in zip(token_ids, max_drafts):
+            drafts = []
+            for prompt, cont in self.script.items():
+                if tuple(ids[: len(prompt)]) == prompt:
+                    pos = len(ids) - len(prompt)
+                    drafts = [t if pos + j not in self.wrong else (t + 1) % 300
+                              for j, t in enumerate(cont[pos : pos + k])]
+            out.append(drafts)
+        return out
+
+
+@pytest.fixture
+def script(monkeypatch):
+    monkeypatch.setitem(registry().spec_proposers, "script", ScriptProposer)
+    ScriptProposer.script, ScriptProposer.calls = {}, 0
+    return ScriptProposer
+
+
+def _llm(tiny_dir, spec=None, **kw):
+    args = dict(backend="torch", max_model_len=256, num_gpu_blocks_override=64, block_size=4)
+    return LLM(tiny_dir, speculative_config=spec, **(args | kw))
+
+
+def _same(a, b):
+    for x, y in zip(a, b):
+        for c, d in zip(x.outputs, y.outputs):
+            assert c.token_ids == d.token_ids and c.text == d.text and c.finish_reason == d.finish_reason
+            if c.logprobs is not None:
+                assert [sorted(e) for e in c.logprobs] == [sorted(e) for e in d.logprobs]
+                assert c.cumulative_logprob == pytest.approx(d.cumulative_logprob, abs=1e-4)
+
+
+def _no_blocks_held(llm):
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.req_to_blocks
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(logprobs=3, frequency_penalty=0.7, presence_penalty=0.3),
+                                   dict(repetition_penalty=1.3, min_tokens=5)], ids=["plain", "logprobs_penalties",
+                                                                                      "repetition_min_tokens"])
+def test_greedy_tokens_are_those_of_plain_decoding_whatever_is_accepted(tiny_dir, script, extra):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **extra)
+    plain = _llm(tiny_dir).generate(PROMPTS, params, use_tqdm=False)
+    tok_ids = [list(o.prompt_token_ids) for o in plain]
+    script.script = {tuple(ids): list(o.outputs[0].token_ids) for ids, o in zip(tok_ids, plain)}
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 4, "disable_by_batch_size": 16})
+    spec = llm.generate(PROMPTS, params, use_tqdm=False)
+    _same(spec, plain)
+    s = llm.engine.spec_stats
+    assert script.calls > 0 and s.num_drafts > 0
+    # Wrong drafts are rejected, right ones accepted: some steps take all, some none.
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert s.accepted_per_position[0] > s.accepted_per_position[-1] > 0
+    # Fewer steps than tokens: each verifying step gave 1 + accepted tokens.
+    assert s.mean_accepted_length > 1.5
+    _no_blocks_held(llm)
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(tiny_dir, script):
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    base = _llm(tiny_dir).generate(PROMPTS[:1], free, use_tqdm=False)[0]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+    plain = _llm(tiny_dir).generate(PROMPTS[:1], params, use_tqdm=False)
+    script.script = {tuple(base.prompt_token_ids): list(base.outputs[0].token_ids)}
+    script.wrong = frozenset()
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 6})
+    spec = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    _same(spec, plain)
+    assert spec[0].outputs[0].finish_reason == "stop" and stop not in spec[0].outputs[0].text
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    _no_blocks_held(llm)
+    script.wrong = ScriptProposer.wrong
+
+
+def test_preempted_speculating_requests_recompute_to_the_same_tokens(tiny_dir, script):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = [p + " again" * i for i, p in enumerate(PROMPTS * 2)]
+    plain = _llm(tiny_dir).generate(prompts, params, use_tqdm=False)
+    script.script = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in plain}
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 5, "disable_by_batch_size": 64},
+               num_gpu_blocks_override=40, max_model_len=96)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    _same(spec, plain)
+    assert llm.engine.scheduler.get_stats().num_preemptions > 0
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    _no_blocks_held(llm)
+
+
+def test_seeded_sampling_with_drafts_is_reproducible_and_n_forks_work(tiny_dir, script):
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True, n=2)
+    greedy = _llm(tiny_dir).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                                     use_tqdm=False)
+    script.script = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in greedy}
+    runs = []
+    for _ in range(2):
+        llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 3, "disable_by_batch_size": 64})
+        runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+        assert llm.engine.spec_stats.num_drafts > 0
+        _no_blocks_held(llm)
+    _same(runs[0], runs[1])
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 20 for c in o.outputs) for o in runs[0])
+
+
+def test_drafts_respect_max_tokens_and_the_batch_size_limit(tiny_dir, script):
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    plain = _llm(tiny_dir).generate(PROMPTS, params, use_tqdm=False)
+    script.script = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) + [5] * 20 for o in plain}
+    script.wrong = frozenset()
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 5, "disable_by_batch_size": 4})
+    assert all(len(o.outputs[0].token_ids) == 7 for o in llm.generate(PROMPTS, params, use_tqdm=False))
+    assert llm.engine.spec_stats.num_drafts == 0  # four requests running: at the limit, no drafts
+    out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    _same(out, plain[:2])
+    s = llm.engine.spec_stats
+    assert s.num_drafts > 0 and s.num_draft_tokens <= 2 * 6  # never past max_tokens: 6 tokens after the first
+    script.wrong = ScriptProposer.wrong
+
+
+def test_ngram_proposer_looks_up_the_longest_recent_suffix():
+    p = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=2), None)
+    assert p.propose([[1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]], [3]) == [[7, 8, 1]]  # the latest of two matches
+    assert p.propose([[5, 6, 7, 5, 6, 9, 6]], [2]) == [[]]  # one token in common is below the minimum
+    assert p.propose([[4, 5, 6, 4, 5]], [5]) == [[6, 4, 5]]  # up to the end of the context
+    assert p.propose([[1, 1, 1, 1]], [0]) == [[]]
+    assert p.propose([[3]], [2]) == [[]]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "unknown speculative method 'medusa'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "exceeds prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_configs_name_the_problem(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.parse(bad)
+
+
+def test_speculation_is_refused_with_pipeline_stages(tiny_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        _llm(tiny_dir, {"method": "ngram", "num_speculative_tokens": 2}, pipeline_parallel_size=2)
+
+
+def test_each_draft_position_samples_as_if_the_drafts_before_it_were_output():
+
+    from infer.core.request import Request
+    from infer.core.request_state import CompletionState
+    from infer.core.sampling_batch import build_sampling_tensors
+
+    p = SamplingParams(temperature=0.8, frequency_penalty=0.5, min_tokens=3, stop_token_ids=[9], seed=1)
+    req = Request("r", [1, 2], sampling_params=p, output_token_ids=[4], eos_token_ids=(0,))
+    comp = CompletionState(0, req, p, seed=1, detokenizer=None)
+    spec = [([], 7), ([7], 8), ([7, 8], -1)]
+    t = build_sampling_tensors([comp] * 3, vocab_size=16, spec=spec)
+    assert t.steps.tolist() == [1, 2, 3]  # each position has its own noise
+    assert t.output_token_ids.tolist() == [[4, -1, -1], [4, 7, -1], [4, 7, 8]]
+    assert t.draft_token_ids.tolist() == [7, 8, -1]
+    # min_tokens=3: EOS and the stop token are banned at the first two positions only.
+    banned = [sorted(int(i) for i, v in zip(ids, vals) if v == -np.inf)
+              for ids, vals in zip(t.logit_bias_ids, t.logit_bias_values)]
+    assert banned == [[0, 9], [0, 9], []]

@@ -171,7 +171,7 @@ def test_min_tokens_bans_eos_only_while_the_grammar_allows_more():
         def __init__(self, allowed, banned):
             self.matcher, self._banned = Fixed(allowed), banned
 
-        def banned_tokens(self):
+        def banned_tokens(self, ahead=0):
             return self._banned
 
     mask = token_bitmask([Row([3, 63], (63,)), Row([63], (63,)), Row([31, 5], (31, 5))], vocab_size=70)

@@ -188,7 +188,7 @@ class AsyncLLM:
                     return
             elif stop:
                 return
-            self._log(engine.scheduler.get_stats(), iteration)
+            self._log(engine.get_stats(), iteration)
 
     def _add(self, request_id: str, prompt: Any, params: SamplingParams, priority: int, stream: _Stream) -> None:
         loop = stream.loop

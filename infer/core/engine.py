@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..dispatch import DispatchTrace, Ops
-from ..registry import get_backend, get_reasoning_parser, registry
+from ..registry import get_backend, get_reasoning_parser, get_spec_proposer, registry
 from ..primitives.types import AttentionMetadata
 from . import distributed
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
@@ -35,6 +35,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, StepOutput, StepResult
 from .detokenizer import IncrementalDetokenizer
+from .speculative import SpecDecodeStats, SpeculativeConfig
 from .structured import StructuredOutputs
 
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
@@ -67,6 +68,9 @@ class EngineArgs:
     # A reasoning parser's name (deepseek_r1, qwen3, a plugin's): structured outputs
     # then constrain only the answer after the reasoning's end marker.
     reasoning_parser: str | None = None
+    # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_max": b, "prompt_lookup_min": a}.
+    speculative_config: Any = None
     seed: int = 0
     skip_tokenizer_init: bool = False
     show_progress: bool | None = None
@@ -276,6 +280,13 @@ class LLMEngine:
         self._awaiting_grammar: list[tuple[RequestState, Request, Future]] = []
         self._finished_unscheduled: set[str] = set()  # aborted while awaiting their grammar
         self.grammar_masks_skipped = 0  # grammar rows whose unmasked choice the grammar allowed
+        self.speculative_config = spec = SpeculativeConfig.parse(a.speculative_config)
+        self.proposer = get_spec_proposer(spec.method)(spec, self) if spec is not None else None
+        self.spec_stats = SpecDecodeStats()
+        if spec is not None and spec.disable_by_batch_size is None:
+            # Host backends compute every drafted token: a full batch gains nothing.
+            host = self.backend.memory_info() is None
+            spec.disable_by_batch_size = 8 if host else None
 
     # -- distributed ---------------------------------------------------------------
     def _to_workers(self, message: tuple) -> None:
@@ -535,6 +546,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def get_stats(self):
+        """The scheduler's snapshot (`SchedulerStats`) with the speculative decoding counters."""
+        stats = self.scheduler.get_stats()
+        s = self.spec_stats
+        stats.spec_decode = SpecDecodeStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                            list(s.accepted_per_position))
+        return stats
+
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; return outputs of requests that progressed.
@@ -560,6 +579,8 @@ class LLMEngine:
                 self._process(*self._complete(launched))
                 touched |= {s.request_id.request_id for s in launched.out.scheduled}
         else:
+            if self.proposer is not None:
+                self._propose()
             out = self.scheduler.schedule()
             touched |= {rid.request_id for rid in out.finished_request_ids}
             if not out.is_empty:
@@ -606,13 +627,22 @@ class LLMEngine:
         logits = forward.logits if launched.logits_shape is None else self._recv_logits(launched.logits_shape)
         if self.expert_load is not None:
             self.expert_load.record(forward.expert_counts)
-        rows, comps = [], []
-        for row, rid in enumerate(mi.sample_request_ids):
+        rows, comps, spec = [], [], []  # spec: per row, (drafts before it, its draft or -1)
+        groups = []  # (first entry in comps, drafts) of each request that verifies drafts
+        drafts_of = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts:] for s in out.scheduled if s.num_drafts}
+        first = 0
+        for i, rid in enumerate(mi.sample_request_ids):
+            row, first = first, first + (1 if mi.sample_num_rows is None else int(mi.sample_num_rows[i]))
             comp = self._completions.get(rid)
             if comp is None or comp.request.status.is_finished:
                 continue  # aborted while its step was in flight
-            rows.append(row)
-            comps.append(comp)
+            drafts = drafts_of.get(rid, [])
+            if drafts:
+                groups.append((len(comps), len(drafts)))
+            for j in range(len(drafts) + 1):
+                rows.append(row + j)
+                comps.append(comp)
+                spec.append((drafts[:j], drafts[j] if j < len(drafts) else -1))
             state = self._states[rid.request_id]
             # n > 1: the children fork when the prompt is computed, sharing its
             # blocks copy-on-write, and each samples its own token from this row.
@@ -623,6 +653,7 @@ class LLMEngine:
                 self._track(state, child, index)
                 rows.append(row)
                 comps.append(state.completions[-1])
+                spec.append(((), -1))
         if not comps:
             step = StepOutput([], np.zeros(0, np.int64), np.zeros(0, np.float32))
             return step, self.scheduler.update_from_output(out, step)
@@ -631,13 +662,58 @@ class LLMEngine:
         deferred = frozenset(i for i, c in enumerate(comps) if deferrable(c))
         for c in comps:
             c.mask_next = False  # masked first this step if it was set: unmasked first again next step
-        sampled = self._sample(logits, be.prepare_sampling(build_sampling_tensors(comps, self.vocab_size, deferred)))
+        tensors = build_sampling_tensors(comps, self.vocab_size, deferred, spec if groups else None)
+        sampled = self._sample(logits, be.prepare_sampling(tensors))
         host = (lambda x: be.to_numpy(x) if x is not None else None)
         step = StepOutput([c.request.request_id for c in comps], host(sampled.token_ids), host(sampled.logprobs),
                           host(sampled.ranks), host(sampled.top_token_ids), host(sampled.top_logprobs))
         if deferred:
             self._resample_refused(logits, comps, deferred, step)
+        if groups:
+            step = self._taken(step, groups, host(sampled.accepted))
         return step, self.scheduler.update_from_output(out, step)
+
+    def _taken(self, step: StepOutput, groups: list[tuple[int, int]], accepted: np.ndarray) -> StepOutput:
+        """The rows requests take from a step that verified drafts: each one's accepted
+        drafts (the leading accepted rows) and the token after them."""
+        keep = np.ones(len(step.request_ids), dtype=bool)
+        for first, k in groups:
+            a = 0
+            while a < k and accepted[first + a]:
+                a += 1
+            keep[first + a + 1 : first + k + 1] = False
+            self.spec_stats.record(k, a)
+        idx = np.flatnonzero(keep)
+        pick = (lambda x: None if x is None else np.asarray(x)[idx])  # noqa: E731
+        return StepOutput([step.request_ids[i] for i in idx], pick(step.token_ids), pick(step.logprobs),
+                          pick(step.ranks), pick(step.top_token_ids), pick(step.top_logprobs))
+
+    def _propose(self) -> None:
+        """Drafts for the next step of each decoding request (none for a grammar row, or
+        while `disable_by_batch_size` requests or more run)."""
+        spec, sched = self.speculative_config, self.scheduler
+        running = [r for r in sched.running if r.status == RequestStatus.RUNNING and r.num_uncomputed_tokens == 1]
+        limit = spec.disable_by_batch_size
+        if limit is not None and len(sched.running) >= limit:
+            for r in running:
+                r.spec_token_ids = []
+            return
+        reqs, budgets = [], []
+        for r in running:
+            comp = self._completions.get(r.request_id)
+            p = r.sampling_params
+            room = spec.num_speculative_tokens
+            if p is not None and p.max_tokens is not None:
+                room = min(room, p.max_tokens - r.num_output_tokens - 1)
+            room = min(room, self.max_model_len - r.num_tokens - 1)
+            if comp is None or comp.matcher is not None or room <= 0:
+                r.spec_token_ids = []
+                continue
+            reqs.append(r)
+            budgets.append(room)
+        if reqs:
+            for r, drafts in zip(reqs, self.proposer.propose([r.all_token_ids for r in reqs], budgets)):
+                r.spec_token_ids = [int(t) for t in drafts]
 
     def _resample_refused(self, logits, comps: list[CompletionState], deferred: frozenset, step: StepOutput) -> None:
         """Grammar rows sampled unmasked (`deferrable`): those whose token the grammar
@@ -663,13 +739,23 @@ class LLMEngine:
             step.ranks[idx] = be.to_numpy(again.ranks)
 
     def _process(self, step: StepOutput, result: StepResult) -> None:
-        """Per new token: grammar, logprobs and text; a stop string or the grammar's end finishes its request."""
-        stopped = []
+        """Per new token: grammar, logprobs and text; a stop string or the grammar's end finishes its request
+        (and drops the tokens a speculative step accepted after that one)."""
+        stopped: dict[Any, int] = {}  # request id -> its output tokens to keep
+        left = {}  # tokens of this step each request has still to process
         for p in result.progressed:
-            if self._completions[p.request.request_id].on_token(step, p.row, self._decode_token) and p.status is None:
-                stopped.append(p.request.request_id)
+            left[p.request.request_id] = left.get(p.request.request_id, 0) + 1
+        for p in result.progressed:
+            rid = p.request.request_id
+            left[rid] -= 1
+            if rid in stopped:
+                continue
+            if self._completions[rid].on_token(step, p.row, self._decode_token) and p.status is None:
+                stopped[rid] = p.request.num_output_tokens - left[rid]
+        for rid, keep in stopped.items():
+            self._completions[rid].request.truncate_output(keep)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.scheduler.finish_requests(list(stopped), RequestStatus.FINISHED_STOPPED)
 
     def _output(self, state: RequestState) -> RequestOutput:
         finished = state.finished
@@ -706,6 +792,9 @@ def _check_args(a: EngineArgs) -> None:
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {a.kv_cache_dtype!r}")
     if a.reasoning_parser is not None:
         get_reasoning_parser(a.reasoning_parser)  # raises, naming the known parsers
+    spec = SpeculativeConfig.parse(a.speculative_config)
+    if spec is not None and a.pipeline_parallel_size > 1:
+        raise ValueError("speculative decoding does not run with pipeline_parallel_size > 1 yet")
     if a.quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {a.quantization!r}")
     if a.scheduling_policy not in POLICIES:

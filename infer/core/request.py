@@ -88,6 +88,8 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id (or, set by the engine, stop string) that ended it
+    # Speculative decoding: tokens drafted after the last one, verified by the next step.
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
     all_token_ids: list[int] = field(init=False, repr=False)
     block_hashes: list[bytes] = field(init=False, repr=False)
 
@@ -122,6 +124,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(int(token_id))
         self.all_token_ids.append(int(token_id))
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first `num_output_tokens` (tokens a
+        speculative step accepted after the one a stop string ended the output at)."""
+        extra = self.num_output_tokens - num_output_tokens
+        if extra > 0:
+            del self.output_token_ids[-extra:]
+            del self.all_token_ids[-extra:]
 
     def stop_status(self) -> RequestStatus | None:
         """FINISHED_* when the newest output token ends the request by its parameters, else None."""

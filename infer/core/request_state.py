@@ -42,9 +42,10 @@ class CompletionState:
         if self.params.logprobs is not None:
             self.logprobs = []
 
-    def banned_tokens(self) -> tuple[int, ...]:
-        """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens."""
-        if self.request.num_output_tokens >= self.params.min_tokens:
+    def banned_tokens(self, ahead: int = 0) -> tuple[int, ...]:
+        """Tokens that may not be sampled yet: EOS and stop tokens before min_tokens
+        (`ahead`: for the token that many places further, after drafted ones)."""
+        if self.request.num_output_tokens + ahead >= self.params.min_tokens:
             return ()
         return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else self.request.eos_token_ids)
 
@@ -67,7 +68,7 @@ class CompletionState:
         text, stop strings. True when a stop string or the grammar's end ends the
         completion here."""
         req, p = self.request, self.params
-        token = req.output_token_ids[-1]
+        token = int(step.token_ids[row])
         ended_grammar = False
         waiting = self.reasoning is not None
         if self.matcher is not None and not waiting:

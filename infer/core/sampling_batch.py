@@ -60,10 +60,16 @@ def token_bitmask(rows: list[CompletionState], vocab_size: int, deferred=frozens
     return mask
 
 
-def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferred=frozenset()) -> SamplingTensors:
+def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferred=frozenset(),
+                           spec: list[tuple[list[int], int]] | None = None) -> SamplingTensors:
     """`deferred`: indices of grammar rows sampled without their mask this time
-    (their bans go to logit_bias, as an unconstrained row's)."""
+    (their bans go to logit_bias, as an unconstrained row's). `spec`: per row of a
+    step verifying drafts, (the drafted tokens before the row's position, the draft
+    it verifies or -1): the row samples as if those drafts were already output."""
     ps = [c.params for c in rows]
+    ahead = [len(before) for before, _ in spec] if spec is not None else [0] * len(rows)
+    outputs = [c.request.output_token_ids + list(spec[i][0]) if ahead[i] else c.request.output_token_ids
+               for i, c in enumerate(rows)]
     f32 = lambda xs: np.array(xs, dtype=np.float32)  # noqa: E731
     t = SamplingTensors(
         temperature=f32([p.temperature for p in ps]),
@@ -71,7 +77,7 @@ def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferre
         top_p=f32([p.top_p for p in ps]),
         min_p=f32([p.min_p for p in ps]),
         seeds=np.array([c.seed for c in rows], dtype=np.int64),
-        steps=np.array([c.request.num_output_tokens for c in rows], dtype=np.int64),
+        steps=np.array([c.request.num_output_tokens + a for c, a in zip(rows, ahead)], dtype=np.int64),
         presence_penalty=f32([p.presence_penalty for p in ps]),
         frequency_penalty=f32([p.frequency_penalty for p in ps]),
         repetition_penalty=f32([p.repetition_penalty for p in ps]),
@@ -82,12 +88,14 @@ def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferre
     if any(p.repetition_penalty != 1.0 for p in ps):
         t.prompt_token_ids = _padded([c.request.prompt_token_ids for c in rows])
     if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
-        t.output_token_ids = _padded([c.request.output_token_ids for c in rows])
+        t.output_token_ids = _padded(outputs)
     t.token_bitmask = token_bitmask(rows, vocab_size, deferred)
     # A masked grammar row's bans are in its bitmask (where the grammar leaves another choice).
     masked = [_constrained(c) and i not in deferred for i, c in enumerate(rows)]
-    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if masked[i] else c.banned_tokens())}
+    biases = [dict(c.params.logit_bias or {}) | {tok: -np.inf for tok in (() if masked[i] else c.banned_tokens(ahead[i]))}
               for i, c in enumerate(rows)]
+    if spec is not None:
+        t.draft_token_ids = np.array([d for _, d in spec], dtype=np.int64)
     if any(biases):
         t.logit_bias_ids = _padded([list(b) for b in biases])
         values = np.zeros(t.logit_bias_ids.shape, dtype=np.float32)

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from .block_manager import BlockManager, PrefixCacheStats, cdiv
 from .config import CacheConfig, SchedulerConfig
 from .request import Request, RequestId, RequestStatus
 from .sampling_params import SamplingParams
+from .speculative import SpecDecodeStats
 from .scheduler_output import RequestProgress, ScheduledRequest, SchedulerOutput, StepOutput, StepResult
 
 
@@ -57,6 +58,7 @@ class SchedulerStats:
     num_blocks: int
     kv_cache_usage: float
     prefix_cache: PrefixCacheStats
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # the engine's, when it speculates
 
 
 class Scheduler:
@@ -196,6 +198,9 @@ class Scheduler:
             if budget == 0 or len(num_new) == cap:
                 break
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            n += self._num_drafts(req, n, budget)
+            if n > 1 and req.spec_token_ids and not bm.allocate_slots(req, n):
+                n, req.spec_token_ids = 1, []  # no room for the drafts: a plain decode step
             while not bm.allocate_slots(req, n):
                 victim = self._preemption_victim()
                 if victim is None:  # every other request is in flight: wait for one to come back
@@ -250,7 +255,9 @@ class Scheduler:
         if not self._pending or output is not self._pending[0]:
             raise ValueError("update_from_output takes the oldest output schedule() gave and not yet updated, once")
         entries = output.scheduled + self._step_forks
-        rows = {rid: i for i, rid in enumerate(step.request_ids)}
+        rows: dict[RequestId, list[int]] = {}
+        for i, rid in enumerate(step.request_ids):
+            rows.setdefault(rid, []).append(i)
         # Requests aborted since schedule() are skipped and need no token.
         live = [s for s in entries if s.request.status == RequestStatus.RUNNING]
         missing = [s.request_id for s in live if s.do_sample and s.request_id not in rows]
@@ -262,15 +269,25 @@ class Scheduler:
         progressed, finished = [], []
         for s in live:
             req = s.request
-            req.num_computed_tokens = s.seq_len
             status = None
-            if s.do_sample:
-                row = rows[s.request_id]
-                req.append_output_token(int(step.token_ids[row]))
-                status = req.stop_status()
-                if status is None and req.num_tokens >= self.max_model_len:
-                    status = RequestStatus.FINISHED_LENGTH_CAPPED
-                progressed.append(RequestProgress(req, row, status))
+            if not s.do_sample:
+                req.num_computed_tokens = s.seq_len
+            else:
+                # Drafts past the accepted ones leave KV that the next step overwrites.
+                taken = rows[s.request_id]
+                if len(taken) > 1 + s.num_drafts:
+                    raise ValueError(f"request {s.request_id!r} took {len(taken)} tokens from a step "
+                                     f"that verified {s.num_drafts} drafts")
+                req.num_computed_tokens = s.seq_len - s.num_drafts + len(taken) - 1
+                req.spec_token_ids = []
+                for row in taken:
+                    req.append_output_token(int(step.token_ids[row]))
+                    status = req.stop_status()
+                    if status is None and req.num_tokens >= self.max_model_len:
+                        status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    progressed.append(RequestProgress(req, row, status))
+                    if status is not None:
+                        break  # the accepted tokens after a stop are dropped
             self.block_manager.cache_blocks(req)
             if status is not None:
                 self._finish(req, status)
@@ -284,6 +301,17 @@ class Scheduler:
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
+
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Drafted tokens a decode step of `req` verifies: those that fit the budget,
+        max_model_len, and max_tokens (a step takes at most 1 + drafts tokens)."""
+        if not req.spec_token_ids or n != 1 or req.num_uncomputed_tokens != 1:
+            return 0
+        room = self.max_model_len - req.num_tokens
+        p = req.sampling_params
+        if p is not None and p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens)
+        return max(0, min(len(req.spec_token_ids), budget - 1, room - 1))
 
     def _rank(self, req: Request) -> float:
         cfg = self.config
@@ -327,5 +355,9 @@ class Scheduler:
     def _scheduled_request(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start : start + n]
+        drafts = n - len(tokens)
+        if drafts:
+            tokens = tokens + req.spec_token_ids[:drafts]
         block_ids = self.block_manager.get_block_ids(req.request_id)
-        return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n == req.num_tokens, req)
+        return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n - drafts == req.num_tokens, req,
+                                drafts)

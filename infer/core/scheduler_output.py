@@ -25,6 +25,9 @@ class ScheduledRequest:
     block_ids   the request's block table, covering ``start + num_tokens`` tokens.
     do_sample   whether this step reaches the request's last known token, so the
                 logits of its last row are sampled (False for a partial prefill).
+    num_drafts  speculative tokens after the last known one (the last `num_drafts`
+                of `token_ids`): the logits of the last ``1 + num_drafts`` rows are
+                sampled, verifying each draft.
     """
 
     request_id: RequestId
@@ -34,6 +37,7 @@ class ScheduledRequest:
     block_ids: list[int]
     do_sample: bool
     request: Request = field(repr=False)
+    num_drafts: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -49,9 +53,11 @@ class ModelInput:
     positions           [T] int64, position of each in its request.
     attn_metadata       AttentionMetadata (query_start_loc, seq_lens, block_table,
                         slot_mapping, max_query_len, max_seq_len, block_size).
-    logits_indices      [S] int64, rows of `input_ids` whose logits are sampled
-                        (the last row of each request with do_sample).
-    sample_request_ids  the request of each entry of `logits_indices`.
+    logits_indices      [L] int64, rows of `input_ids` whose logits are sampled
+                        (the last ``1 + num_drafts`` rows of each request with do_sample).
+    sample_request_ids  [S] the requests sampled, in order.
+    sample_num_rows     [S] int64, entries of `logits_indices` per sampled request
+                        (1 + its drafts), or None when every request has one.
     """
 
     input_ids: np.ndarray
@@ -59,6 +65,7 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: np.ndarray
     sample_request_ids: list[RequestId]
+    sample_num_rows: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +119,14 @@ class SchedulerOutput:
         slot_mapping = block_table[row_req, positions // bs].astype(np.int64) * bs + positions % bs
         input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64, count=num_tokens)
         sampled = [b for b, s in enumerate(scheduled) if s.do_sample]
+        ends = query_start_loc[1:][sampled].astype(np.int64)
+        drafts = np.array([scheduled[b].num_drafts for b in sampled], dtype=np.int64)
+        if drafts.any():
+            num_rows = drafts + 1
+            logits_indices = np.repeat(ends - num_rows, num_rows) + (
+                np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows))
+        else:
+            num_rows, logits_indices = None, ends - 1
         meta = AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -125,16 +140,19 @@ class SchedulerOutput:
             input_ids=input_ids,
             positions=positions,
             attn_metadata=meta,
-            logits_indices=(query_start_loc[1:][sampled] - 1).astype(np.int64),
+            logits_indices=logits_indices,
             sample_request_ids=[scheduled[b].request_id for b in sampled],
+            sample_num_rows=num_rows,
         )
 
 
 @dataclass(slots=True)
 class StepOutput:
-    """What the model computed in one step: one sampled token per sampling request.
+    """What the model computed in one step: the new tokens of each sampling request.
 
-    Row i belongs to ``request_ids[i]``; the arrays are host NumPy.
+    Row i belongs to ``request_ids[i]``; the arrays are host NumPy. A request has
+    one row, or after a speculative step one per token it takes (the accepted
+    drafts and the token after them), consecutive and in order.
 
       token_ids      [S] int64, the sampled tokens.
       logprobs       [S] float32, each token's raw logprob.

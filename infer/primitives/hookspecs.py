@@ -43,6 +43,13 @@ class InferHookSpec:
         """
 
     @hookspec
+    def infer_register_spec_proposers(self) -> dict[str, type]:
+        """Return ``{method: Proposer subclass}`` (`infer.core.speculative`): what
+        ``--speculative-config '{"method": ...}'`` drafts tokens with. A method
+        already taken is reported, not replaced.
+        """
+
+    @hookspec
     def infer_register_reasoning_parsers(self) -> dict[str, type]:
         """Return ``{name: ReasoningParser subclass}`` (`infer.server.reasoning`): how
         reasoning is split from content. A name already taken is reported, not replaced.

@@ -43,6 +43,12 @@ TOTALS = (
     Family("num_preemptions", "Requests preempted (their KV dropped) since start.", lambda s: s.num_preemptions),
     Family("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache.queries),
     Family("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache.hits),
+    Family("spec_decode_num_drafts", "Request-steps that verified speculative drafts.",
+           lambda s: s.spec_decode.num_drafts),
+    Family("spec_decode_num_draft_tokens", "Speculative tokens drafted and verified.",
+           lambda s: s.spec_decode.num_draft_tokens),
+    Family("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+           lambda s: s.spec_decode.num_accepted_tokens),
 )
 # Per-step increments.
 COUNTERS = (
@@ -77,6 +83,9 @@ class Metrics:
         self._counters = [(f, Counter(PREFIX + f.name, f.doc, key, registry=reg)) for f in COUNTERS]
         self._histograms = [(f, Histogram(PREFIX + f.name, f.doc, key, buckets=b, registry=reg))
                             for f, b in HISTOGRAMS]
+        self._accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Speculative tokens accepted at each draft position (0 first).",
+                                         key + ["position"], registry=reg)
         self._success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                                 key + ["finished_reason"], registry=self.registry)
         # MoE models only: two labels (layer, expert), so outside the one-label tables above.
@@ -104,6 +113,11 @@ class Metrics:
                 if v > prev:
                     c.labels(*key).inc(v - prev)
                 last[f.name] = v
+            for pos, v in enumerate(stats.spec_decode.accepted_per_position):
+                prev = last.get(f"accepted_pos{pos}", 0)
+                if v > prev:
+                    self._accepted_per_pos.labels(*key, str(pos)).inc(v - prev)
+                last[f"accepted_pos{pos}"] = v
             if it is None:
                 return
             for f, c in self._counters:
