@@ -251,6 +251,15 @@ def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
     assert_same_generation(one, two)
 
 
+def test_tp2_with_ngram_speculation_generates_what_one_process_does(tiny_dirs):
+    """Verify steps (several query rows per request) through tensor-parallel ranks."""
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    [one] = generate(tiny_dirs["llama"], engine, max_tokens=24)
+    [two] = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2, "speculative_config": spec}, max_tokens=24)
+    assert_same_generation(one, two)
+
+
 @pytest.mark.parametrize("kind,tp,pp", [("llama", 1, 2), ("mixtral", 1, 2), ("llama", 2, 2)])
 def test_pipeline_stages_generate_what_one_process_does(tiny_dirs, kind, tp, pp):
     """PP=2: layer 0 on the first stage, layer 1 and the head on the second; with TP=2

@@ -167,7 +167,7 @@ def test_greedy_tokens_are_those_of_plain_decoding_whatever_is_accepted(tiny_dir
     plain = _llm(tiny_dir).generate(PROMPTS, params, use_tqdm=False)
     tok_ids = [list(o.prompt_token_ids) for o in plain]
     script.script = {tuple(ids): list(o.outputs[0].token_ids) for ids, o in zip(tok_ids, plain)}
-    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 4, "disable_by_batch_size": 16})
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 4, "adaptive": False})
     spec = llm.generate(PROMPTS, params, use_tqdm=False)
     _same(spec, plain)
     s = llm.engine.spec_stats
@@ -189,7 +189,7 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(tiny_dir, sc
     plain = _llm(tiny_dir).generate(PROMPTS[:1], params, use_tqdm=False)
     script.script = {tuple(base.prompt_token_ids): list(base.outputs[0].token_ids)}
     script.wrong = frozenset()
-    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 6})
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 6, "adaptive": False})
     spec = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     _same(spec, plain)
     assert spec[0].outputs[0].finish_reason == "stop" and stop not in spec[0].outputs[0].text
@@ -203,7 +203,7 @@ def test_preempted_speculating_requests_recompute_to_the_same_tokens(tiny_dir, s
     prompts = [p + " again" * i for i, p in enumerate(PROMPTS * 2)]
     plain = _llm(tiny_dir).generate(prompts, params, use_tqdm=False)
     script.script = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in plain}
-    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 5, "disable_by_batch_size": 64},
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 5, "adaptive": False},
                num_gpu_blocks_override=40, max_model_len=96)
     spec = llm.generate(prompts, params, use_tqdm=False)
     _same(spec, plain)
@@ -219,7 +219,7 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_n_forks_work(tiny_dir, 
     script.script = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in greedy}
     runs = []
     for _ in range(2):
-        llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 3, "disable_by_batch_size": 64})
+        llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 3, "adaptive": False})
         runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
         assert llm.engine.spec_stats.num_drafts > 0
         _no_blocks_held(llm)
@@ -232,7 +232,7 @@ def test_drafts_respect_max_tokens_and_the_batch_size_limit(tiny_dir, script):
     plain = _llm(tiny_dir).generate(PROMPTS, params, use_tqdm=False)
     script.script = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) + [5] * 20 for o in plain}
     script.wrong = frozenset()
-    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 5, "disable_by_batch_size": 4})
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 5, "adaptive": False, "disable_by_batch_size": 4})
     assert all(len(o.outputs[0].token_ids) == 7 for o in llm.generate(PROMPTS, params, use_tqdm=False))
     assert llm.engine.spec_stats.num_drafts == 0  # four requests running: at the limit, no drafts
     out = llm.generate(PROMPTS[:2], params, use_tqdm=False)
@@ -287,3 +287,148 @@ def test_each_draft_position_samples_as_if_the_drafts_before_it_were_output():
     banned = [sorted(int(i) for i, v in zip(ids, vals) if v == -np.inf)
               for ids, vals in zip(t.logit_bias_ids, t.logit_bias_values)]
     assert banned == [[0, 9], [0, 9], []]
+
+
+def test_the_draft_budget_drafts_what_measured_costs_and_acceptance_pay_for():
+    from infer.core.speculative import DraftBudget
+
+    b = DraftBudget(max_drafts=5)
+    assert b.plan(["a"], batch=1) == [0]  # no plain step seen yet: plain steps first
+    b.observe_step(1, 0, 0.016)
+    assert b.step_seconds(1, 2) == pytest.approx(0.016 * 1.6)  # the prior for what is not measured
+    b._global = [9.0, 10.0]  # the engine's requests accept 90% of drafts
+    assert b.plan(["b"], batch=1) == [5]  # the prior makes every draft look cheap
+    # Measured: one draft costs 60% of a step, more cost far more (a kernel change).
+    for drafted, seconds in ((1, 0.025), (2, 0.054), (3, 0.070), (4, 0.080), (5, 0.090)):
+        for _ in range(30):
+            b.observe_step(1, drafted, seconds)
+    assert b.plan(["c"], batch=1) == [1]  # 1.9 tokens in 25 ms beats 1 in 16 and 4.7 in 90
+    assert b.alpha("c") == pytest.approx(0.9)
+    # A batch of 32 whose drafted tokens cost a token's share each: nothing pays.
+    for drafted, seconds in ((0, 0.124), (32, 0.250), (64, 0.370)):
+        for _ in range(30):
+            b.observe_step(32, drafted, seconds)
+    ids = [f"r{i}" for i in range(32)]
+    plans = [b.plan(ids, batch=32) for _ in range(10)]
+    assert plans == ([[0] * 32] * 4 + [[1] * 32]) * 2  # only a probe every 5th step
+    b.record("r0", 1, 0)  # r0's probe was refused: it waits twice as long
+    assert [b.plan(["r0"], batch=32)[0] for _ in range(9)] == [0] * 8 + [1]
+    # A request whose drafts are refused stops taking part at batch 1.
+    for _ in range(30):
+        b.record("c", 1, 0)
+    assert b.alpha("c") < b.MIN_ALPHA and b.plan(["c"], batch=1) == [0]
+
+
+@pytest.mark.slow
+def test_ngram_speculation_on_smollm2_gives_the_plain_greedy_tokens_also_under_preemption():
+    """A real model copying from its prompt: n-gram drafts are mostly accepted, and
+    every output is the one plain decoding gives (adaptive and fixed drafting)."""
+    text = ("The city council met on Tuesday to discuss the new park. Members agreed that the park should have "
+            "a playground, a small pond, and walking paths lined with oak trees.")
+    messages = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                [{"role": "user", "content": f"Rewrite this text, replacing 'park' with 'garden':\n\n{text}"}],
+                [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = LLM("smollm2").chat(messages, params, use_tqdm=False)
+    for spec, kw in (({"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}, {}),
+                     ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+                      dict(block_size=16, num_gpu_blocks_override=14, max_model_len=160))):
+        llm = LLM("smollm2", speculative_config=spec, **kw)
+        out = llm.chat(messages, params, use_tqdm=False)
+        for a, b in zip(out, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].text, b.outputs[0].text)
+        s = llm.engine.get_stats()
+        assert s.spec_decode.num_accepted_tokens > 0 and s.spec_decode.acceptance_rate > 0.3
+        if kw:
+            assert s.num_preemptions > 0
+        _no_blocks_held(llm)
+
+
+def test_spec_decode_counters_reach_prometheus():
+    from infer.core.block_manager import PrefixCacheStats
+    from infer.core.scheduler import SchedulerStats
+    from infer.core.speculative import SpecDecodeStats
+    from infer.server.metrics import Metrics
+
+    m = Metrics()
+    log = m.logger("smol")
+    stats = lambda s: SchedulerStats(1, 0, 0, 1, 8, 0.1, PrefixCacheStats(), s)  # noqa: E731
+    log(stats(SpecDecodeStats(3, 12, 7, [3, 2, 1, 1])), None)
+    log(stats(SpecDecodeStats(5, 20, 12, [5, 4, 2, 1])), None)
+    text = m.render().decode()
+    for line in ('infer:spec_decode_num_drafts_total{model_name="smol"} 5.0',
+                 'infer:spec_decode_num_draft_tokens_total{model_name="smol"} 20.0',
+                 'infer:spec_decode_num_accepted_tokens_total{model_name="smol"} 12.0',
+                 'infer:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="1"} 4.0'):
+        assert line in text, line
+
+
+def test_the_scheduler_verifies_drafts_in_one_query_and_rolls_back_the_rejected():
+    from infer.core.config import CacheConfig, SchedulerConfig
+    from infer.core.request import Request
+    from infer.core.scheduler import Scheduler
+    from infer.core.scheduler_output import StepOutput
+
+    def sched(blocks):
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                         CacheConfig(block_size=4, num_blocks=blocks, enable_prefix_caching=True))
+
+    s = sched(8)
+    req = Request("a", [1, 2, 3, 4, 5, 6], sampling_params=SamplingParams(max_tokens=20, ignore_eos=True))
+    s.add_request(req)
+    out = s.schedule()
+    s.update_from_output(out, StepOutput.of_tokens({"a": 7}))
+    req.spec_token_ids = [8, 9, 10]
+    out = s.schedule()
+    (sr,) = out.scheduled
+    assert (sr.start, sr.num_tokens, sr.num_drafts, sr.token_ids) == (6, 4, 3, [7, 8, 9, 10])
+    mi = out.model_input()
+    assert mi.logits_indices.tolist() == [0, 1, 2, 3] and mi.sample_num_rows.tolist() == [4]
+    assert len(sr.block_ids) == 3  # room for all 10 tokens
+    # Two drafts accepted, then the correction 11: 9 tokens computed (not the third draft's slot).
+    s.update_from_output(out, StepOutput([req.request_id] * 3, np.array([8, 9, 11]), np.zeros(3, np.float32)))
+    assert req.output_token_ids == [7, 8, 9, 11] and req.num_computed_tokens == 9 and req.spec_token_ids == []
+    assert len(req.block_hashes) == 2  # full blocks of computed tokens only: [1-4], [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="took 3 tokens"):  # more tokens than drafts + 1
+        req.spec_token_ids = [1]
+        out = s.schedule()
+        s.update_from_output(out, StepOutput([req.request_id] * 3, np.array([1, 2, 3]), np.zeros(3, np.float32)))
+
+    # No block left for the drafts: a plain decode step, nobody preempted.
+    s = sched(4)
+    reqs = [Request(r, [1, 2, 3, 4, 5, 6, 7], sampling_params=SamplingParams(max_tokens=20, ignore_eos=True))
+            for r in "bc"]
+    for r in reqs:
+        s.add_request(r)
+    s.update_from_output(s.schedule(), StepOutput.of_tokens({"b": 8, "c": 8}))  # the 4 blocks are taken
+    reqs[1].spec_token_ids = [9, 10]  # positions 8 and 9 would need a fifth block
+    out = s.schedule()
+    assert [(x.num_tokens, x.num_drafts) for x in out.scheduled] == [(1, 0), (1, 0)]
+    assert s.num_preemptions == 0 and reqs[1].spec_token_ids == []
+
+
+def test_served_speculation_streams_what_it_returns_whole(tiny_dir, tmp_path):
+    """Through `infer serve` and the openai client: several tokens a step reach the
+    stream as deltas that add up to the whole answer, which is plain greedy's."""
+    import openai
+    from server_harness import Server
+
+    prompt = "one two three four one two three four one two"
+    plain = _llm(tiny_dir).generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].text
+    srv = Server(["--model", tiny_dir, "--backend", "torch", "--max-model-len", "256", "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model=tiny_dir, prompt=prompt, max_tokens=32, temperature=0.0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        assert whole == streamed == plain
+        import urllib.request
+
+        metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
+        drafted = [float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("infer:spec_decode_num_draft_tokens_total")]
+        assert drafted and drafted[0] > 0
+    finally:
+        assert srv.stop() == 0, "".join(srv.log)

@@ -12,22 +12,25 @@ SCHED = ["tests/test_scheduler_edges.py", "tests/test_scheduler.py", "tests/test
          "tests/test_block_manager.py"]
 ENGINE = ["tests/test_nonascii_output.py", "tests/test_detokenizer_multibyte.py", "tests/test_engine.py",
           "tests/test_async_engine.py", "tests/test_stream_errors.py"]
-KERNELS = ["tests/test_sampling_boundaries.py", "tests/test_cpu_ref.py", "tests/test_conformance.py",
+KERNELS = ["tests/test_sampling_boundaries.py", "tests/test_cpu_ref.py", "tests/test_conformance.py", "tests/test_speculative.py",
            "tests/test_properties.py"]
 MODELS = ["tests/test_model_logits.py", "tests/test_loader.py", "tests/test_engine.py"]
 TESTS = {
     "infer/core/block_manager.py": SCHED + ["tests/test_engine.py"],
-    "infer/core/scheduler.py": SCHED + ["tests/test_engine.py"],
-    "infer/core/scheduler_output.py": SCHED + ["tests/test_engine.py"],
-    "infer/core/request.py": SCHED + ENGINE,
+    "infer/core/scheduler.py": SCHED + ["tests/test_engine.py", "tests/test_speculative.py"],
+    "infer/core/scheduler_output.py": SCHED + ["tests/test_engine.py", "tests/test_speculative.py"],
+    "infer/core/request.py": SCHED + ENGINE + ["tests/test_speculative.py"],
+    "infer/core/speculative.py": ["tests/test_speculative.py"],
     "infer/core/config.py": ["tests/test_cache_config.py", *SCHED, "tests/test_kv_sizing.py", "tests/test_engine.py"],
     "infer/core/detokenizer.py": ENGINE,
     "infer/core/request_state.py": ENGINE,
     "infer/core/sampling_params.py": ["tests/test_sampling_boundaries.py", *ENGINE],
-    "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE, "tests/test_structured_outputs.py"],
+    "infer/core/sampling_batch.py": ["tests/test_sampling_boundaries.py", *ENGINE, "tests/test_structured_outputs.py",
+                                     "tests/test_speculative.py"],
     "infer/core/structured.py": ["tests/test_structured_outputs.py"],
     "infer/core/outputs.py": ["tests/test_outputs.py", *ENGINE],
-    "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py", "tests/test_scheduler_pipeline.py"],
+    "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py", "tests/test_scheduler_pipeline.py",
+                                      "tests/test_speculative.py", "tests/test_structured_outputs.py"],
     # Distributed serving: the one-process tests of the sharded graph first, then real gloo ranks.
     "infer/core/parallel.py": [f"tests/test_distributed.py::{t}" for t in (
         "test_head_layout_splits_or_replicates_kv_heads", "test_head_layout_pairs_every_query_head_with_its_kv_head",

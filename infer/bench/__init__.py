@@ -33,6 +33,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, help=f"decode and prefill: best of this many (default {d.repeats})")
     p.add_argument("--threads", type=int, help="torch threads in every process (default: torch's own)")
     p.add_argument("--skip-transformers", action="store_true", help="run infer only")
+    p.add_argument("--speculative-config", metavar="JSON", help="infer's speculative decoding (as `infer run`); "
+                                                                  "the report adds its acceptance")
     p.add_argument("--quick", action="store_true", help="a small version (4 prompts x 8 tokens, short probes) for tests")
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     p.add_argument("--png", metavar="PATH", help="write a bar chart (needs matplotlib)")
@@ -40,7 +42,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg = BenchConfig(model=args.model, backend=args.backend, seed=args.seed, skip_transformers=args.skip_transformers,
-                      threads=args.threads)
+                      threads=args.threads, speculative_config=getattr(args, "speculative_config", None))
     if args.quick:
         cfg = replace(cfg, **QUICK)
     given = {k: getattr(args, k) for k in ("num_prompts", "output_len", "min_len", "max_len", "repeats")}

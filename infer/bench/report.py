@@ -58,6 +58,11 @@ def format_report(r: dict) -> str:
     lines.append(f"  (model weights {_mib(mem['weights_bytes'])}; infer holds {_mib(mem['runner_weight_bytes'])} of weight "
                  f"buffers, backend-prepared copies included; KV pool {_mib(mem['kv_pool_bytes'])})")
     lines += _expert_load_lines(inf.get("expert_load"))
+    spec = inf.get("spec_decode")
+    if spec:
+        lines.append(f"speculative decoding: {spec['num_draft_tokens']} tokens drafted in {spec['num_drafts']} steps, "
+                     f"{spec['acceptance_rate']:.0%} accepted, {spec['mean_accepted_length']:.2f} tokens per verifying "
+                     f"step; accepted by position {spec['accepted_per_position']}")
     ratios = r["ratios"]
     if hf:
         agree = ratios["greedy_agreement"]

@@ -139,10 +139,16 @@ def run_infer(cfg: BenchConfig, work: Workload, kwargs: dict[str, Any]) -> dict[
     _check_lengths(tokens, work.output_len, "infer")
     decode = [_infer_stream(engine, p, cfg.decode_len, f"decode-{i}")[:2] for i, p in enumerate(work.decode_prompts)]
     prefill = [_infer_stream(engine, p, 1, f"prefill-{i}")[:2] for i, p in enumerate(work.prefill_prompts)]
+    spec = engine.get_stats().spec_decode
+    spec_decode = None if engine.speculative_config is None else dict(
+        num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens, acceptance_rate=spec.acceptance_rate,
+        mean_accepted_length=spec.mean_accepted_length, accepted_per_position=list(spec.accepted_per_position))
     runner = engine.runner
     costs = model_costs(runner, engine.model_config, cfg.decode_prompt_len + cfg.decode_len / 2, cfg.prefill_len)
     return dict(
         model=costs, workload=_throughput(work, elapsed), tokens=tokens, load_s=load_s, expert_load=expert_load,
+        spec_decode=spec_decode,
         decode=_stream_summary(decode, cfg.decode_len, cfg.decode_prompt_len),
         prefill=_stream_summary(prefill, 1, cfg.prefill_len),
         memory=dict(baseline_rss=baseline, loaded_rss=loaded, load_peak_rss=load_peak, end_rss=_rss_now(), peak_rss=_rss_peak(),

@@ -28,6 +28,7 @@ class BenchConfig:
     threads: int | None = None  # torch intra-op threads in every process; None: torch's default
     limits_mib: int = 512  # array size of the bandwidth probe
     gemm_n: int = 2048
+    speculative_config: str | None = None  # infer's --speculative-config (JSON)
 
 
 QUICK = dict(num_prompts=4, output_len=8, min_len=8, max_len=32, decode_len=16, prefill_len=64, repeats=1,
@@ -75,7 +76,8 @@ def engine_kwargs(cfg: BenchConfig, work: Workload, block_size: int, kv_bytes_pe
     return dict(model=cfg.model, backend=cfg.backend, dtype="float32", quantization="none",
                 max_num_seqs=max(32, cfg.num_prompts),
                 max_num_batched_tokens=max(2048, cfg.prefill_len), max_model_len=max_model_len,
-                kv_cache_memory=kv_tokens * kv_bytes_per_token, show_progress=False)
+                kv_cache_memory=kv_tokens * kv_bytes_per_token, show_progress=False,
+                speculative_config=cfg.speculative_config)
 
 
 def set_threads(cfg: BenchConfig) -> None:

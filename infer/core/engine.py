@@ -35,7 +35,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput, StepOutput, StepResult
 from .detokenizer import IncrementalDetokenizer
-from .speculative import SpecDecodeStats, SpeculativeConfig
+from .speculative import DraftBudget, SpecDecodeStats, SpeculativeConfig
 from .structured import StructuredOutputs
 
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
@@ -283,10 +283,7 @@ class LLMEngine:
         self.speculative_config = spec = SpeculativeConfig.parse(a.speculative_config)
         self.proposer = get_spec_proposer(spec.method)(spec, self) if spec is not None else None
         self.spec_stats = SpecDecodeStats()
-        if spec is not None and spec.disable_by_batch_size is None:
-            # Host backends compute every drafted token: a full batch gains nothing.
-            host = self.backend.memory_info() is None
-            spec.disable_by_batch_size = 8 if host else None
+        self.draft_budget = DraftBudget(spec.num_speculative_tokens) if spec is not None and spec.adaptive else None
 
     # -- distributed ---------------------------------------------------------------
     def _to_workers(self, message: tuple) -> None:
@@ -584,8 +581,13 @@ class LLMEngine:
             out = self.scheduler.schedule()
             touched |= {rid.request_id for rid in out.finished_request_ids}
             if not out.is_empty:
+                start = time.perf_counter()
                 self._process(*self._complete(self._launch(out)))
                 touched |= {s.request_id.request_id for s in out.scheduled}
+                if self.draft_budget is not None and all(s.do_sample and s.num_tokens == 1 + s.num_drafts
+                                                         for s in out.scheduled):
+                    self.draft_budget.observe_step(len(out.scheduled), sum(s.num_drafts for s in out.scheduled),
+                                                   time.perf_counter() - start)
         results = []
         for rid in touched:
             state = self._states.get(rid)
@@ -596,6 +598,8 @@ class LLMEngine:
                 del self._states[rid]
                 for c in state.completions:
                     self._completions.pop(c.request.request_id, None)
+                    if self.draft_budget is not None:
+                        self.draft_budget.forget(c.request.request_id)
         return results
 
     @property
@@ -683,14 +687,17 @@ class LLMEngine:
                 a += 1
             keep[first + a + 1 : first + k + 1] = False
             self.spec_stats.record(k, a)
+            if self.draft_budget is not None:
+                self.draft_budget.record(step.request_ids[first], k, a)
         idx = np.flatnonzero(keep)
         pick = (lambda x: None if x is None else np.asarray(x)[idx])  # noqa: E731
         return StepOutput([step.request_ids[i] for i in idx], pick(step.token_ids), pick(step.logprobs),
                           pick(step.ranks), pick(step.top_token_ids), pick(step.top_logprobs))
 
     def _propose(self) -> None:
-        """Drafts for the next step of each decoding request (none for a grammar row, or
-        while `disable_by_batch_size` requests or more run)."""
+        """Drafts for the next step of each decoding request: as many as `DraftBudget`
+        plans (all of num_speculative_tokens when not adaptive), none for a grammar row
+        or while `disable_by_batch_size` requests or more run."""
         spec, sched = self.speculative_config, self.scheduler
         running = [r for r in sched.running if r.status == RequestStatus.RUNNING and r.num_uncomputed_tokens == 1]
         limit = spec.disable_by_batch_size
@@ -698,11 +705,13 @@ class LLMEngine:
             for r in running:
                 r.spec_token_ids = []
             return
+        budget = self.draft_budget
+        want = (budget.plan([r.request_id for r in running], len(sched.running)) if budget is not None
+                else [spec.num_speculative_tokens] * len(running))
         reqs, budgets = [], []
-        for r in running:
+        for r, room in zip(running, want):
             comp = self._completions.get(r.request_id)
             p = r.sampling_params
-            room = spec.num_speculative_tokens
             if p is not None and p.max_tokens is not None:
                 room = min(room, p.max_tokens - r.num_output_tokens - 1)
             room = min(room, self.max_model_len - r.num_tokens - 1)

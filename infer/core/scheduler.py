@@ -198,9 +198,10 @@ class Scheduler:
             if budget == 0 or len(num_new) == cap:
                 break
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            n += self._num_drafts(req, n, budget)
-            if n > 1 and req.spec_token_ids and not bm.allocate_slots(req, n):
-                n, req.spec_token_ids = 1, []  # no room for the drafts: a plain decode step
+            drafts = self._num_drafts(req, n, budget)
+            if drafts and not bm.allocate_slots(req, n + drafts):
+                drafts, req.spec_token_ids = 0, []  # no room for the drafts: a plain decode step
+            n += drafts
             while not bm.allocate_slots(req, n):
                 victim = self._preemption_victim()
                 if victim is None:  # every other request is in flight: wait for one to come back

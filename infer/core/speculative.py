@@ -31,9 +31,12 @@ class SpeculativeConfig:
     prompt_lookup_max/min   n-gram: the longest and shortest suffix looked up
                             in the request's own tokens (longest first).
     disable_by_batch_size   no drafts while this many requests or more are
-                            running (verifying costs compute a full batch lacks);
-                            None: 8 on host backends, never on accelerators.
+                            running; None: no such limit (the engine's
+                            `DraftBudget` drafts only what its measured step
+                            costs and acceptance say pays off).
     model                   the draft model of "draft_model".
+    adaptive                True: draft only what `DraftBudget` says pays off;
+                            False: always num_speculative_tokens (as vLLM).
     """
 
     method: str
@@ -42,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None
     model: str | None = None
+    adaptive: bool = True
     extra: dict = field(default_factory=dict, repr=False)  # keys a plugin's proposer reads
 
     @classmethod
@@ -75,6 +79,8 @@ class SpeculativeConfig:
         if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min={cfg.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={cfg.prompt_lookup_max}")
+        if not isinstance(cfg.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {cfg.adaptive!r}")
         d = cfg.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {d!r}")
@@ -119,6 +125,118 @@ class NgramProposer(Proposer):
                 start = int(hits[-1]) + n
                 return tokens[start : start + k].tolist()
         return []
+
+
+def _bucket(n: int) -> int:
+    """n itself up to 8, then the power of two at or above it."""
+    return n if n <= 8 else 1 << (n - 1).bit_length()
+
+
+class DraftBudget:
+    """How many drafts pay off, from what steps cost and what each request accepts.
+
+    Cost: the engine reports each decode-only step's seconds with its batch size
+    B and its drafted tokens E; a decayed mean is kept per (B, E), both bucketed
+    (exact up to 8, then powers of two). Costs are not linear in E: host kernels
+    change with the row count (SmolLM2 on 2 cores, float32: 16 ms for one row,
+    25 ms for two, 54 ms for three), so no single slope is fitted. A (B, E) not
+    yet seen lies on the line between the measured sizes around it (the plain
+    step is E = 0); past the largest measured E it goes on at the dearer of that
+    point's mean cost per token and the prior; with only the plain step seen,
+    each drafted token costs PRIOR of a one-token share, so speculation gets
+    tried. Measurements replace the guesses.
+
+    Acceptance: per request, accepted drafts over drafts tried (a rejection ends
+    the trial), decayed; a new request starts from the engine-wide rate.
+
+    Plan: the step drafts the same k for every request whose acceptance is at
+    least MIN_ALPHA, the k in 0..max_drafts with the most expected tokens per
+    expected second (B + sum over those requests of alpha + ... + alpha^k, over the
+    cost of B and k times their count). The others, and every request when k is
+    0, draft one token now and then (every 4 steps, backing off to 64 while those
+    probes are refused), so a change in what they write is noticed.
+    """
+
+    DECAY = 0.9
+    PRIOR = 0.3
+    MIN_ALPHA = 0.5
+    PROBE_MIN, PROBE_MAX = 4, 64
+
+    def __init__(self, max_drafts: int):
+        self.max_drafts = max_drafts
+        self._times: dict[tuple[int, int], float] = {}
+        self._global = [1.4, 2.0]  # accepted, tried (prior: 0.7)
+        self._requests: dict = {}  # request id -> [accepted, tried, steps until a probe, probe interval]
+
+    def observe_step(self, batch: int, drafted: int, seconds: float) -> None:
+        key = (_bucket(batch), _bucket(drafted))
+        old = self._times.get(key)
+        self._times[key] = seconds if old is None else old * self.DECAY + seconds * (1 - self.DECAY)
+
+    def step_seconds(self, batch: int, drafted: int) -> float | None:
+        """Expected seconds of a decode step of `batch` requests with `drafted` drafts; None before any plain one."""
+        b = _bucket(batch)
+        seen = self._times.get((b, _bucket(drafted)))
+        if seen is not None:
+            return seen
+        base = self._times.get((b, 0))
+        if base is None:
+            return None
+        prior = self.PRIOR * base / batch  # seconds per drafted token
+        seen = sorted((e, t) for (bb, e), t in self._times.items() if bb == b)  # (0, base) first
+        above = [(e, t) for e, t in seen if e > drafted]
+        e, t = [(e, t) for e, t in seen if e < drafted][-1]
+        if above:  # between two measured sizes: on the line joining them
+            e2, t2 = above[0]
+            return t + (t2 - t) * (drafted - e) / (e2 - e)
+        if e == 0:
+            return base + prior * drafted
+        return t + max((t - base) / e, prior) * (drafted - e)  # past the largest: at the dearer of its mean cost and the prior
+
+    def alpha(self, request_id) -> float:
+        acc, tried = self._state(request_id)[:2]
+        return acc / tried
+
+    def plan(self, request_ids: list, batch: int) -> list[int]:
+        """Drafts to ask of the proposer for each of these decoding requests' next step."""
+        alphas = [self.alpha(r) for r in request_ids]
+        takers = [a for a in alphas if a >= self.MIN_ALPHA]
+        best_k, best_rate = 0, 0.0
+        base = self.step_seconds(batch, 0)
+        if base is not None and takers:
+            best_rate = batch / base
+            for k in range(1, self.max_drafts + 1):
+                seconds = self.step_seconds(batch, k * len(takers))
+                tokens = batch + sum(sum(a**j for j in range(1, k + 1)) for a in takers)
+                if tokens / seconds > best_rate:
+                    best_k, best_rate = k, tokens / seconds
+        return [best_k if best_k and a >= self.MIN_ALPHA else self._probe(r) for r, a in zip(request_ids, alphas)]
+
+    def _probe(self, request_id) -> int:
+        state = self._state(request_id)
+        if state[2] > 0:
+            state[2] -= 1
+            return 0
+        state[2] = state[3]
+        return 1
+
+    def _state(self, request_id) -> list:
+        return self._requests.setdefault(request_id, [*self._global, self.PROBE_MIN, self.PROBE_MIN])
+
+    def record(self, request_id, num_drafts: int, num_accepted: int) -> None:
+        tried = num_accepted + (num_accepted < num_drafts)
+        state = self._requests.get(request_id)
+        if state is not None:
+            state[0] = state[0] * self.DECAY + num_accepted
+            state[1] = state[1] * self.DECAY + tried
+            state[3] = self.PROBE_MIN if num_accepted else min(self.PROBE_MAX, state[3] * 2)
+            if not num_accepted:
+                state[2] = state[3]  # the next probe waits the longer interval
+        g = self._global
+        g[0], g[1] = g[0] * self.DECAY + num_accepted, g[1] * self.DECAY + tried
+
+    def forget(self, request_id) -> None:
+        self._requests.pop(request_id, None)
 
 
 @dataclass

@@ -66,9 +66,11 @@ TILE_ELEMENTS = 1 << 20  # weights dequantized at once: 4 MiB of float32
 _HALF = (torch.bfloat16, torch.float16)
 DENSE_COPY_BYTES = int(float(os.environ.get("INFER_DEQUANT_CACHE_MB", "1024")) * 2**20)
 # float32 rows up to which the native int4 GEMM runs where a dense copy may exist: it redoes
-# the integer work per row, and a float32 copy in cache overtook it from 2-4 rows
-# (SmolLM2 shapes; from 32 rows up it is only an option without a copy).
-F32_NATIVE_BESIDE_DENSE_ROWS = 2
+# the integer work per row, and a float32 copy held in cache overtook it from 2-4 rows, but a
+# whole step streams every layer from memory (1/7 of the bytes for int4): SmolLM2 steps of
+# 3/4/5/6 rows took 35/45/57/67 ms native against 51/61/63/68 ms with the float32 copies
+# (2 cores; speculative decoding's verify steps). From 32 rows up it is only an option without a copy.
+F32_NATIVE_BESIDE_DENSE_ROWS = 5
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
