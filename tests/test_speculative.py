@@ -100,7 +100,8 @@ from server_harness import make_tiny_model_dir  # noqa: E402
 from infer.core.llm import LLM  # noqa: E402
 from infer.core.sampling_params import SamplingParams  # noqa: E402
 from infer.core.speculative import NgramProposer, Proposer, SpeculativeConfig  # noqa: E402
-from infer.registry import registry  # noqa: E402
+from infer.primitives.hookspecs import hookimpl  # noqa: E402
+from test_registry import FakeEntryPoint, fake_registry  # noqa: E402
 
 PROMPTS = ["The cat sat on", "Once upon a time", "x y z", "Numbers: 1 2 3"]
 
@@ -119,11 +120,11 @@ class ScriptProposer(Proposer):
     wrong = frozenset({2, 7, 8, 13})
     calls = 0
 
-    def propose(self, token_ids, max_drafts):
+    def propose(self, requests, max_drafts):
         type(self).calls += 1
         out = []
-        for ids, k in zip(token_ids, max_drafts):
-            drafts = []
+        for r, k in zip(requests, max_drafts):
+            ids, drafts = r.all_token_ids, []
             for prompt, cont in self.script.items():
                 if tuple(ids[: len(prompt)]) == prompt:
                     pos = len(ids) - len(prompt)
@@ -133,9 +134,18 @@ class ScriptProposer(Proposer):
         return out
 
 
+class ScriptPlugin:
+    @hookimpl
+    def infer_register_spec_proposers(self):
+        return {"script": ScriptProposer, "ngram": ScriptProposer}  # a taken method is reported, not replaced
+
+
 @pytest.fixture
 def script(monkeypatch):
-    monkeypatch.setitem(registry().spec_proposers, "script", ScriptProposer)
+    """ScriptProposer, registered as a third-party plugin would be (an entry point's pluggy hook)."""
+    reg = fake_registry(monkeypatch, FakeEntryPoint("scripted", ScriptPlugin()))
+    assert reg.spec_proposers["script"] is ScriptProposer and reg.spec_proposers["ngram"] is NgramProposer
+    assert "speculative method name 'ngram' already registered" in reg.broken["scripted"]
     ScriptProposer.script, ScriptProposer.calls = {}, 0
     return ScriptProposer
 
@@ -243,12 +253,15 @@ def test_drafts_respect_max_tokens_and_the_batch_size_limit(tiny_dir, script):
 
 
 def test_ngram_proposer_looks_up_the_longest_recent_suffix():
+    from types import SimpleNamespace
+
     p = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=2), None)
-    assert p.propose([[1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]], [3]) == [[7, 8, 1]]  # the latest of two matches
-    assert p.propose([[5, 6, 7, 5, 6, 9, 6]], [2]) == [[]]  # one token in common is below the minimum
-    assert p.propose([[4, 5, 6, 4, 5]], [5]) == [[6, 4, 5]]  # up to the end of the context
-    assert p.propose([[1, 1, 1, 1]], [0]) == [[]]
-    assert p.propose([[3]], [2]) == [[]]
+    look = lambda ids, k: p.propose([SimpleNamespace(all_token_ids=ids)], [k])[0]  # noqa: E731
+    assert look([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # the latest of two matches
+    assert look([5, 6, 7, 5, 6, 9, 6], 2) == []  # one token in common is below the minimum
+    assert look([4, 5, 6, 4, 5], 5) == [6, 4, 5]  # up to the end of the context
+    assert look([1, 1, 1, 1], 0) == []
+    assert look([3], 2) == []
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -320,9 +333,10 @@ def test_the_draft_budget_drafts_what_measured_costs_and_acceptance_pay_for():
 
 
 @pytest.mark.slow
-def test_ngram_speculation_on_smollm2_gives_the_plain_greedy_tokens_also_under_preemption():
+def test_speculation_on_smollm2_gives_the_plain_greedy_tokens_also_under_preemption():
     """A real model copying from its prompt: n-gram drafts are mostly accepted, and
-    every output is the one plain decoding gives (adaptive and fixed drafting)."""
+    every output is the one plain decoding gives (adaptive and fixed drafting, and
+    SmolLM2 drafting for itself)."""
     text = ("The city council met on Tuesday to discuss the new park. Members agreed that the park should have "
             "a playground, a small pond, and walking paths lined with oak trees.")
     messages = [[{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
@@ -332,7 +346,9 @@ def test_ngram_speculation_on_smollm2_gives_the_plain_greedy_tokens_also_under_p
     plain = LLM("smollm2").chat(messages, params, use_tqdm=False)
     for spec, kw in (({"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}, {}),
                      ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
-                      dict(block_size=16, num_gpu_blocks_override=14, max_model_len=160))):
+                      dict(block_size=16, num_gpu_blocks_override=14, max_model_len=160)),
+                     ({"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3, "adaptive": False},
+                      {})):
         llm = LLM("smollm2", speculative_config=spec, **kw)
         out = llm.chat(messages, params, use_tqdm=False)
         for a, b in zip(out, plain):
@@ -432,3 +448,28 @@ def test_served_speculation_streams_what_it_returns_whole(tiny_dir, tmp_path):
         assert drafted and drafted[0] > 0
     finally:
         assert srv.stop() == 0, "".join(srv.log)
+
+
+def test_a_draft_model_that_is_the_target_has_every_greedy_draft_accepted(tiny_dir):
+    """draft = the target: the drafts are the target's own greedy tokens (its own KV
+    cache, catching up each step), so nearly all are accepted, also under preemption."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [p + " again" * i for i, p in enumerate(PROMPTS * 2)]
+    plain = _llm(tiny_dir).generate(prompts, params, use_tqdm=False)
+    spec = {"method": "draft_model", "model": tiny_dir, "num_speculative_tokens": 3, "adaptive": False}
+    for kw in ({}, dict(num_gpu_blocks_override=36, max_model_len=96)):
+        llm = _llm(tiny_dir, spec, **kw)
+        _same(llm.generate(prompts, params, use_tqdm=False), plain)
+        s = llm.engine.get_stats()
+        assert s.spec_decode.acceptance_rate > 0.9 and s.spec_decode.mean_accepted_length > 3
+        if kw:
+            assert s.num_preemptions > 0
+        _no_blocks_held(llm)
+        assert not llm.engine.proposer.blocks.req_to_blocks and not llm.engine.proposer._computed
+
+
+def test_a_draft_model_needs_a_path_and_the_targets_tokenizer(tiny_dir):
+    with pytest.raises(ValueError, match="needs 'model'"):
+        _llm(tiny_dir, {"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="different tokenizer"):
+        _llm(tiny_dir, {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 2})

@@ -600,6 +600,8 @@ class LLMEngine:
                     self._completions.pop(c.request.request_id, None)
                     if self.draft_budget is not None:
                         self.draft_budget.forget(c.request.request_id)
+                    if self.proposer is not None:
+                        self.proposer.forget(c.request.request_id)
         return results
 
     @property
@@ -721,7 +723,7 @@ class LLMEngine:
             reqs.append(r)
             budgets.append(room)
         if reqs:
-            for r, drafts in zip(reqs, self.proposer.propose([r.all_token_ids for r in reqs], budgets)):
+            for r, drafts in zip(reqs, self.proposer.propose(reqs, budgets)):
                 r.spec_token_ids = [int(t) for t in drafts]
 
     def _resample_refused(self, logits, comps: list[CompletionState], deferred: frozenset, step: StepOutput) -> None:

@@ -14,6 +14,7 @@ computed tokens. Proposers register through the pluggy hook
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field, fields
 
@@ -97,10 +98,13 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig, engine):
         self.config = config
 
-    def propose(self, token_ids: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
-        """Up to max_drafts[i] tokens to follow token_ids[i] (a request's prompt and
-        output so far), for each request; [] where there is nothing to propose."""
+    def propose(self, requests: list, max_drafts: list[int]) -> list[list[int]]:
+        """Up to max_drafts[i] tokens to follow requests[i]'s tokens (its
+        `all_token_ids`: prompt and output so far); [] where there is nothing to propose."""
         raise NotImplementedError
+
+    def forget(self, request_id) -> None:
+        """The request finished: drop what is kept for it."""
 
 
 class NgramProposer(Proposer):
@@ -109,8 +113,8 @@ class NgramProposer(Proposer):
 
     method = "ngram"
 
-    def propose(self, token_ids: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
-        return [self._lookup(ids, k) if k > 0 else [] for ids, k in zip(token_ids, max_drafts)]
+    def propose(self, requests: list, max_drafts: list[int]) -> list[list[int]]:
+        return [self._lookup(r.all_token_ids, k) if k > 0 else [] for r, k in zip(requests, max_drafts)]
 
     def _lookup(self, ids: list[int], k: int) -> list[int]:
         c = self.config
@@ -267,6 +271,99 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class DraftModelProposer(Proposer):
+    """A smaller model of the same tokenizer drafts greedily, on the target's backend,
+    with its own KV cache (as many blocks of the same size as the target's pool).
+
+    Each call first computes, in one batch, the tokens a request gained since the
+    last call (the accepted drafts and the token after them; KV of rejected drafts
+    is overwritten), then runs decode steps for the requests that want more drafts.
+    Greedy drafts are deterministic, so their q is one-hot at the drafted token:
+    verification stays exact for sampled requests too.
+    """
+
+    method = "draft_model"
+
+    def __init__(self, config: SpeculativeConfig, engine):
+        super().__init__(config, engine)
+        from .block_manager import BlockManager
+        from .engine import build_model
+
+        if not config.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's path or alias)")
+        if engine.dist is not None:
+            raise ValueError("speculative_config: a draft model does not run with tensor or pipeline parallelism yet")
+        a = engine.args
+        draft_args = dataclasses.replace(a, model=config.model, max_model_len=engine.max_model_len,
+                                         speculative_config=None)
+        parts = build_model(draft_args, engine.backend, engine.ops, None, load_tokenizer=engine.tokenizer is not None)
+        vocab = parts.graph.config.vocab_size
+        if vocab != engine.vocab_size or not _same_vocabulary(parts.loaded.tokenizer, engine.tokenizer):
+            raise ValueError(f"speculative_config: the draft model {config.model!r} has a different tokenizer "
+                             f"(vocabulary of {vocab} against the target's {engine.vocab_size}); a draft must "
+                             "share the target's tokenizer")
+        cache = engine.cache_config
+        self.runner, self.backend = parts.runner, engine.backend
+        self.runner.allocate_kv_caches(cache.num_blocks, cache.block_size)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.block_size = cache.block_size
+        self._computed: dict = {}  # request id -> tokens whose KV the draft cache holds
+
+    def forget(self, request_id) -> None:
+        self._computed.pop(request_id, None)
+        self.blocks.free(request_id)
+
+    def propose(self, requests: list, max_drafts: list[int]) -> list[list[int]]:
+        from types import SimpleNamespace
+
+        drafts: list[list[int]] = [[] for _ in requests]
+        live = []  # (index, shim for the block manager, tokens to compute now)
+        for i, (r, k) in enumerate(zip(requests, max_drafts)):
+            if k <= 0:
+                continue
+            tokens = r.all_token_ids
+            done = min(self._computed.get(r.request_id, 0), len(tokens) - 1)
+            shim = SimpleNamespace(request_id=r.request_id, num_computed_tokens=done, num_tokens=len(tokens))
+            # Room for the catch-up and the k - 1 decode steps after it.
+            if not self.blocks.allocate_slots(shim, len(tokens) - done + k - 1):
+                continue
+            live.append((i, shim, tokens[done:]))
+        step = [(i, shim, new) for i, shim, new in live]
+        while step:
+            picked = self._forward([(shim, new) for _, shim, new in step])
+            nxt = []
+            for (i, shim, new), token in zip(step, picked):
+                shim.num_computed_tokens += len(new)
+                drafts[i].append(token)
+                if len(drafts[i]) < max_drafts[i]:
+                    nxt.append((i, shim, [token]))
+            step = nxt
+        for i, shim, _ in live:  # the drafts' own KV is past the request's tokens: recomputed next time if kept
+            self._computed[requests[i].request_id] = len(requests[i].all_token_ids)
+        return drafts
+
+    def _forward(self, rows: list) -> list[int]:
+        """Greedy next token of each (shim, new tokens) in one batch of the draft model."""
+        import numpy as np
+
+        from .distributed import StepInput
+        from .engine import execute_step
+        from .scheduler_output import ScheduledRequest, SchedulerOutput
+
+        scheduled = [ScheduledRequest(shim.request_id, shim.num_computed_tokens, len(new), list(new),
+                                      self.blocks.get_block_ids(shim.request_id), True, None) for shim, new in rows]
+        mi = SchedulerOutput(scheduled, [], [], [], self.block_size).model_input()
+        out = execute_step(self.runner, StepInput(mi.input_ids, mi.positions, mi.logits_indices, mi.attn_metadata))
+        return [int(t) for t in np.argmax(self.backend.to_numpy(out.logits), axis=-1)]
+
+
+def _same_vocabulary(a, b) -> bool:
+    """Two tokenizers map the same strings to the same ids (True when either is not loaded)."""
+    if a is None or b is None:
+        return True
+    return a.get_vocab() == b.get_vocab()
+
+
 @hookimpl
 def infer_register_spec_proposers() -> dict[str, type]:
-    return {NgramProposer.method: NgramProposer}
+    return {NgramProposer.method: NgramProposer, DraftModelProposer.method: DraftModelProposer}
