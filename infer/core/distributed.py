@@ -298,6 +298,15 @@ class DistributedState:
                 if isinstance(p, subprocess.Popen):
                     p.wait()
         if dist.is_initialized():
+            if self.config.executor == "external_launcher" and self.failed is None:
+                # Every rank runs its own engine: wait until all are done with their last
+                # collective, so none tears down the group under a peer's pending send
+                # (gloo then aborted rank 0 at exit, 'terminate called without an active
+                # exception', in about 1 of 8 torchrun runs).
+                try:
+                    dist.barrier()
+                except Exception as exc:  # noqa: BLE001 (a dead peer: leave anyway)
+                    log.warning("ranks did not meet before leaving the process group: %s", exc)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
