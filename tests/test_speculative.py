@@ -111,13 +111,16 @@ def tiny_dir(tmp_path_factory):
     return str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-spec"), seed=5))
 
 
+WRONG = frozenset({2, 7, 8, 13})
+
+
 class ScriptProposer(Proposer):
     """Drafts a known continuation (each prompt's plain greedy output), wrong at
     every output position in `wrong`: whole, partial and no acceptance all occur."""
 
     method = "script"
     script: dict[tuple, list[int]] = {}
-    wrong = frozenset({2, 7, 8, 13})
+    wrong = WRONG
     calls = 0
 
     def propose(self, requests, max_drafts):
@@ -146,7 +149,7 @@ def script(monkeypatch):
     reg = fake_registry(monkeypatch, FakeEntryPoint("scripted", ScriptPlugin()))
     assert reg.spec_proposers["script"] is ScriptProposer and reg.spec_proposers["ngram"] is NgramProposer
     assert "speculative method name 'ngram' already registered" in reg.broken["scripted"]
-    ScriptProposer.script, ScriptProposer.calls = {}, 0
+    ScriptProposer.script, ScriptProposer.calls, ScriptProposer.wrong = {}, 0, WRONG
     return ScriptProposer
 
 
@@ -205,7 +208,22 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(tiny_dir, sc
     assert spec[0].outputs[0].finish_reason == "stop" and stop not in spec[0].outputs[0].text
     assert llm.engine.spec_stats.num_accepted_tokens > 0
     _no_blocks_held(llm)
-    script.wrong = ScriptProposer.wrong
+
+
+def test_min_tokens_holds_back_a_stop_string_inside_accepted_drafts(tiny_dir, script):
+    """A stop string before min_tokens does not count even when the same step's later
+    drafts take the output past min_tokens (as in plain decoding)."""
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    base = _llm(tiny_dir).generate(PROMPTS[:1], free, use_tqdm=False)[0]
+    stop = base.outputs[0].text[1:3]  # an early stop string, which min_tokens holds back
+    script.script = {tuple(base.prompt_token_ids): list(base.outputs[0].token_ids)}
+    script.wrong = frozenset()
+    llm = _llm(tiny_dir, {"method": "script", "num_speculative_tokens": 6, "adaptive": False})
+    plain_llm = _llm(tiny_dir)
+    for min_tokens in range(2, 9):
+        params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+        _same(llm.generate(PROMPTS[:1], params, use_tqdm=False), plain_llm.generate(PROMPTS[:1], params, use_tqdm=False))
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
 def test_preempted_speculating_requests_recompute_to_the_same_tokens(tiny_dir, script):
@@ -249,7 +267,6 @@ def test_drafts_respect_max_tokens_and_the_batch_size_limit(tiny_dir, script):
     _same(out, plain[:2])
     s = llm.engine.spec_stats
     assert s.num_drafts > 0 and s.num_draft_tokens <= 2 * 6  # never past max_tokens: 6 tokens after the first
-    script.wrong = ScriptProposer.wrong
 
 
 def test_ngram_proposer_looks_up_the_longest_recent_suffix():

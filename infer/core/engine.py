@@ -761,7 +761,7 @@ class LLMEngine:
             left[rid] -= 1
             if rid in stopped:
                 continue
-            if self._completions[rid].on_token(step, p.row, self._decode_token) and p.status is None:
+            if self._completions[rid].on_token(step, p.row, self._decode_token, left[rid]) and p.status is None:
                 stopped[rid] = p.request.num_output_tokens - left[rid]
         for rid, keep in stopped.items():
             self._completions[rid].request.truncate_output(keep)

@@ -63,10 +63,10 @@ class CompletionState:
                     entry[int(tid)] = Logprob(float(lp), i, decode(int(tid)))
         self.logprobs.append(entry)
 
-    def on_token(self, step: StepOutput, row: int, decode) -> bool:
-        """Take the request's newest token (row `row` of `step`): grammar, logprobs,
-        text, stop strings. True when a stop string or the grammar's end ends the
-        completion here."""
+    def on_token(self, step: StepOutput, row: int, decode, later: int = 0) -> bool:
+        """Take the request's next token (row `row` of `step`; `later`: tokens of the
+        same step after it, already in the request): grammar, logprobs, text, stop
+        strings. True when a stop string or the grammar's end ends the completion here."""
         req, p = self.request, self.params
         token = int(step.token_ids[row])
         ended_grammar = False
@@ -89,7 +89,7 @@ class CompletionState:
         if waiting and self.reasoning.reasoning_ended(self.text):
             marker, self.reasoning = self.reasoning.end_marker, None
             self._feed_answer_so_far(marker)
-        if not (p.stop_strings and delta and req.num_output_tokens >= p.min_tokens):
+        if not (p.stop_strings and delta and req.num_output_tokens - later >= p.min_tokens):
             return ended_grammar
         # A stop string wins over the token that may have ended the request too (as vLLM).
         hit = find_stop(self.text, len(delta), p.stop_strings)
