@@ -713,10 +713,7 @@ class LLMEngine:
         reqs, budgets = [], []
         for r, room in zip(running, want):
             comp = self._completions.get(r.request_id)
-            p = r.sampling_params
-            if p is not None and p.max_tokens is not None:
-                room = min(room, p.max_tokens - r.num_output_tokens - 1)
-            room = min(room, self.max_model_len - r.num_tokens - 1)
+            room = min(room, sched.draft_room(r))
             if comp is None or comp.matcher is not None or room <= 0:
                 r.spec_token_ids = []
                 continue

@@ -68,8 +68,6 @@ def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferre
     it verifies or -1): the row samples as if those drafts were already output."""
     ps = [c.params for c in rows]
     ahead = [len(before) for before, _ in spec] if spec is not None else [0] * len(rows)
-    outputs = [c.request.output_token_ids + list(spec[i][0]) if ahead[i] else c.request.output_token_ids
-               for i, c in enumerate(rows)]
     f32 = lambda xs: np.array(xs, dtype=np.float32)  # noqa: E731
     t = SamplingTensors(
         temperature=f32([p.temperature for p in ps]),
@@ -88,7 +86,8 @@ def build_sampling_tensors(rows: list[CompletionState], vocab_size: int, deferre
     if any(p.repetition_penalty != 1.0 for p in ps):
         t.prompt_token_ids = _padded([c.request.prompt_token_ids for c in rows])
     if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
-        t.output_token_ids = _padded(outputs)
+        t.output_token_ids = _padded([c.request.output_token_ids + list(spec[i][0]) if ahead[i]
+                                      else c.request.output_token_ids for i, c in enumerate(rows)])
     t.token_bitmask = token_bitmask(rows, vocab_size, deferred)
     # A masked grammar row's bans are in its bitmask (where the grammar leaves another choice).
     masked = [_constrained(c) and i not in deferred for i, c in enumerate(rows)]

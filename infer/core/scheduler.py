@@ -303,16 +303,20 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
-    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
-        """Drafted tokens a decode step of `req` verifies: those that fit the budget,
-        max_model_len, and max_tokens (a step takes at most 1 + drafts tokens)."""
-        if not req.spec_token_ids or n != 1 or req.num_uncomputed_tokens != 1:
-            return 0
+    def draft_room(self, req: Request) -> int:
+        """The most drafts `req`'s next step could use: a step takes at most 1 + drafts
+        tokens, within max_model_len and max_tokens."""
         room = self.max_model_len - req.num_tokens
         p = req.sampling_params
         if p is not None and p.max_tokens is not None:
             room = min(room, p.max_tokens - req.num_output_tokens)
-        return max(0, min(len(req.spec_token_ids), budget - 1, room - 1))
+        return max(0, room - 1)
+
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Drafted tokens a decode step of `req` verifies: those that fit the budget and `draft_room`."""
+        if not req.spec_token_ids or n != 1 or req.num_uncomputed_tokens != 1:
+            return 0
+        return max(0, min(len(req.spec_token_ids), budget - 1, self.draft_room(req)))
 
     def _rank(self, req: Request) -> float:
         cfg = self.config

@@ -138,20 +138,25 @@ def verify_drafts(z: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     """Step 6 of `SamplingTensors` on sampled rows: (tokens, accepted). `z`: the
     rows' filtered logits; rows whose draft is -1 take the plain Gumbel argmax."""
     has = drafts >= 0
-    d = drafts.clamp(min=0)[:, None]
+    rows = torch.nonzero(has).flatten()
+    if rows.numel() < has.numel():
+        tokens = gumbel_argmax(z, seeds, steps)  # rows without a draft (the others are replaced below)
+        if not rows.numel():
+            return tokens, has
+        z, seeds, steps = z.index_select(0, rows), seeds.index_select(0, rows), steps.index_select(0, rows)
+        drafts = drafts.index_select(0, rows)
+        q = None if q is None else q.index_select(0, rows)
+    d = drafts[:, None]
     p = torch.softmax(z.double(), dim=-1)  # float64, as the reference decides u * q(d) < p(d)
-    if q is None:
-        q = torch.zeros_like(p).scatter_(1, d, 1.0)
-    else:
-        q = q.double()
-    u = acceptance_uniforms(seeds, steps)
-    ok = has & (u * q.gather(1, d).squeeze(1) < p.gather(1, d).squeeze(1))
+    q = torch.zeros_like(p).scatter_(1, d, 1.0) if q is None else q.double()
+    ok = acceptance_uniforms(seeds, steps) * q.gather(1, d).squeeze(1) < p.gather(1, d).squeeze(1)
     residual = (p - q).clamp_(min=0)
     residual = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)
     resampled = gumbel_noise(seeds, steps, z.shape[1]).double().add_(residual.log()).argmax(dim=-1)
-    plain = gumbel_argmax(z, seeds, steps) if bool((~has).any()) else resampled
-    tokens = torch.where(ok, d.squeeze(1), torch.where(has, resampled, plain))
-    return tokens, ok
+    verified = torch.where(ok, drafts, resampled)
+    if rows.numel() == has.numel():
+        return verified, ok
+    return tokens.index_copy(0, rows, verified), has.index_copy(0, rows, ok)
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors, mask_tokens=apply_token_bitmask) -> SampleOutput:
