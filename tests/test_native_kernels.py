@@ -273,12 +273,13 @@ def _int4(n, k, group, seed, zero_rows=()):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,group", [(1, 32), (3, 64), (32, 128)])
+@pytest.mark.parametrize("rows,group,k", [(1, 32, 384), (3, 64, 384), (32, 128, 384), (5, 32, 352)])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_int4_gemm_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, group, threads):
+def test_int4_gemm_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, group, k, threads):
     """float32: within float32 rounding of the float64 product of the dequantized weight;
-    bfloat16: that product rounded once to bfloat16 (half an ulp), give or take a little."""
-    n, k = 132, 384
+    bfloat16: that product rounded once to bfloat16 (half an ulp), give or take a little.
+    K = 352 (not a multiple of 64) runs the 256-bit kernel, the others the 512-bit one."""
+    n = 132
     qweight, scales, offsets, w = _int4(n, k, group, seed=rows, zero_rows=(5,))
     g = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, k + 8, generator=g)
@@ -343,11 +344,12 @@ def test_int4_gemm_keeps_tiny_activations_and_declines_inf_and_nan():
 def test_int4_gemm_gives_each_row_what_it_gives_that_row_alone(dtype):
     """Rows of x computed together (bf16 rows go in pairs) equal each row computed alone, bit
     for bit: a request's tokens do not depend on what it is batched with."""
-    qweight, scales, offsets, _ = _int4(64, 256, 32, seed=6)
-    fast = nops.int4_prepare(qweight, scales.half().float(), offsets.half().float(), 32)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6)).to(dtype)
-    together = nops.int4_gemm_prepared(x, fast)
-    assert torch.equal(together, torch.cat([nops.int4_gemm_prepared(x[i:i + 1], fast) for i in range(5)]))
+    for k, group in ((256, 32), (256, 128), (224, 32)):  # 512-bit steps (groups of 32 two a step), 256-bit
+        qweight, scales, offsets, _ = _int4(64, k, group, seed=6)
+        fast = nops.int4_prepare(qweight, scales.half().float(), offsets.half().float(), group)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(6)).to(dtype)
+        together = nops.int4_gemm_prepared(x, fast)
+        assert torch.equal(together, torch.cat([nops.int4_gemm_prepared(x[i:i + 1], fast) for i in range(5)]))
 
 
 def test_int4_gemm_runs_the_same_on_any_number_of_threads(monkeypatch):
@@ -499,3 +501,17 @@ def test_a_compiler_without_openmp_builds_the_kernels_with_their_own_pool(tmp_pa
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().startswith("built (") and res.stdout.strip().endswith("; own thread pool)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_gemv_gives_each_row_what_it_gives_that_row_alone(dtype):
+    """Rows of x go through the int8 GEMV in blocks of up to four (each weight converted once
+    for the block); each row's result equals that row computed alone, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    n, k, group = 64, 96, 32
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) / 64
+    x = torch.randn(nops.INT8_GEMV_MAX_ROWS, k, generator=g).to(dtype)
+    alone = torch.cat([nops.int8_gemv(x[i:i + 1], q, scales, group) for i in range(x.shape[0])])
+    for rows in range(2, x.shape[0] + 1):
+        assert torch.equal(nops.int8_gemv(x[:rows], q, scales, group), alone[:rows]), rows

@@ -70,7 +70,7 @@ DENSE_COPY_BYTES = int(float(os.environ.get("INFER_DEQUANT_CACHE_MB", "1024")) *
 # whole step streams every layer from memory (1/7 of the bytes for int4): SmolLM2 steps of
 # 3/4/5/6 rows took 35/45/57/67 ms native against 51/61/63/68 ms with the float32 copies
 # (2 cores; speculative decoding's verify steps). From 32 rows up it is only an option without a copy.
-F32_NATIVE_BESIDE_DENSE_ROWS = 5
+F32_NATIVE_BESIDE_DENSE_ROWS = 12
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

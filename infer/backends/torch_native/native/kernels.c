@@ -755,14 +755,16 @@ static inline float dot_f16_tail(const uint16_t *a, const float *b, int64_t n) {
 #define INT4_DOT(isum, wl, wh, xe, xo) isum = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(isum, wl, xe), wh, xo)
 
 /* Output rows r..r+3 for activation row t with NP (1 or 2, a constant at each call site)
- * 16-bit parts of x; every accumulator is a named register. PAIR (with NP = 1): activation
- * rows t and t + 1 at once, each weight unpacked once for both (batched bf16 decode). */
+ * 16-bit parts of x; every accumulator is a named register. PAIR: activation rows t and
+ * t + 1 at once, each weight unpacked once for both (batched decode, speculative decoding's
+ * verify steps); row t + 1's sums are formed exactly as if it ran alone. */
 static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, int64_t r, int64_t t, const int NP,
                                                              const int G32, const int HALF, const int PAIR) {
     const __m256i low4 = _mm256_set1_epi16(15);
     int64_t k = j->k, half = k / 2, ng = k / j->group, sub = G32 ? 1 : j->group / 32; /* G32: groups of 32 */
-    const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
-    const float *sc1 = j->xscale + t * NP * ng, *sc2 = sc1 + ng;
+    const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k; /* x2: row t's second part (NP = 2) */
+    const int16_t *y1 = x1 + NP * k, *y2 = y1 + k;         /* PAIR: row t + 1's parts */
+    const float *sc1 = j->xscale + t * NP * ng, *sc2 = sc1 + ng, *sc3 = sc1 + NP * ng, *sc4 = sc3 + ng;
     const uint8_t *q0 = j->q + r * half, *q1 = q0 + half, *q2 = q1 + half, *q3 = q2 + half;
     int64_t s0 = r * ng, s1 = s0 + ng, s2 = s1 + ng, s3 = s2 + ng;
 #define INT4_SCALE(i) (HALF ? _cvtsh_ss(((const uint16_t *)j->s)[i]) : ((const float *)j->s)[i])
@@ -770,7 +772,9 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0; /* PAIR: row t + 1 */
     for (int64_t g = 0; g < ng; g++) {
         __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0;
-        __m256i k0 = i0, k1 = i0, k2 = i0, k3 = i0; /* second parts, or PAIR's row t + 1 */
+        __m256i k0 = i0, k1 = i0, k2 = i0, k3 = i0; /* second parts */
+        __m256i p0 = i0, p1 = i0, p2 = i0, p3 = i0; /* PAIR: row t + 1, and its second parts: */
+        __m256i m0 = i0, m1 = i0, m2 = i0, m3 = i0;
         for (int64_t b = 0; b < sub; b++) {
             int64_t at = (g * sub + b) * 16; /* byte offset in the row = offset in the even/odd halves */
             if ((at & 63) == 0) { /* the same bytes of the next rows, ahead of their turn */
@@ -787,13 +791,29 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
             INT4_DOT(i1, l1, h1, xe, xo);
             INT4_DOT(i2, l2, h2, xe, xo);
             INT4_DOT(i3, l3, h3, xe, xo);
-            if (NP == 2 || PAIR) { /* x2: the second part of row t, or PAIR's row t + 1 */
+            if (NP == 2) {
                 __m256i ye = _mm256_loadu_si256((const __m256i *)(x2 + at));
                 __m256i yo = _mm256_loadu_si256((const __m256i *)(x2 + half + at));
                 INT4_DOT(k0, l0, h0, ye, yo);
                 INT4_DOT(k1, l1, h1, ye, yo);
                 INT4_DOT(k2, l2, h2, ye, yo);
                 INT4_DOT(k3, l3, h3, ye, yo);
+            }
+            if (PAIR) {
+                __m256i ye = _mm256_loadu_si256((const __m256i *)(y1 + at));
+                __m256i yo = _mm256_loadu_si256((const __m256i *)(y1 + half + at));
+                INT4_DOT(p0, l0, h0, ye, yo);
+                INT4_DOT(p1, l1, h1, ye, yo);
+                INT4_DOT(p2, l2, h2, ye, yo);
+                INT4_DOT(p3, l3, h3, ye, yo);
+                if (NP == 2) {
+                    __m256i ze = _mm256_loadu_si256((const __m256i *)(y2 + at));
+                    __m256i zo = _mm256_loadu_si256((const __m256i *)(y2 + half + at));
+                    INT4_DOT(m0, l0, h0, ze, zo);
+                    INT4_DOT(m1, l1, h1, ze, zo);
+                    INT4_DOT(m2, l2, h2, ze, zo);
+                    INT4_DOT(m3, l3, h3, ze, zo);
+                }
             }
         }
         __m256 c1 = _mm256_set1_ps(sc1[g]);
@@ -812,12 +832,21 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
         a1 = _mm256_fmadd_ps(f1, w1, a1);
         a2 = _mm256_fmadd_ps(f2, w2, a2);
         a3 = _mm256_fmadd_ps(f3, w3, a3);
-        if (PAIR) {
-            __m256 c2 = _mm256_set1_ps(sc2[g]);
-            b0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k0), c2), w0, b0);
-            b1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k1), c2), w1, b1);
-            b2 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k2), c2), w2, b2);
-            b3 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(k3), c2), w3, b3);
+        if (PAIR) { /* as f and a above, for row t + 1 */
+            __m256 c3 = _mm256_set1_ps(sc3[g]);
+            __m256 e0 = _mm256_mul_ps(_mm256_cvtepi32_ps(p0), c3), e1 = _mm256_mul_ps(_mm256_cvtepi32_ps(p1), c3);
+            __m256 e2 = _mm256_mul_ps(_mm256_cvtepi32_ps(p2), c3), e3 = _mm256_mul_ps(_mm256_cvtepi32_ps(p3), c3);
+            if (NP == 2) {
+                __m256 c4 = _mm256_set1_ps(sc4[g]);
+                e0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m0), c4, e0);
+                e1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m1), c4, e1);
+                e2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m2), c4, e2);
+                e3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m3), c4, e3);
+            }
+            b0 = _mm256_fmadd_ps(e0, w0, b0);
+            b1 = _mm256_fmadd_ps(e1, w1, b1);
+            b2 = _mm256_fmadd_ps(e2, w2, b2);
+            b3 = _mm256_fmadd_ps(e3, w3, b3);
         }
     }
 #undef INT4_SCALE
@@ -837,6 +866,150 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
     }
 #undef INT4_OFFSETS
 }
+
+/* int4_rows4 with 512-bit registers, for K a multiple of 64: a step takes 32 bytes of each
+ * weight row (64 weights), so each unpack, dot, conversion and scaling covers twice the
+ * weights. With groups of 32 a step holds two groups: the 16 sums of a dot are 8 of group g
+ * (lanes 0-7) then 8 of group g + 1, scaled by vectors holding each group's scale in its
+ * lanes. Larger groups take group / 64 steps each. As in int4_rows4, every activation row's
+ * sums are formed the same way whether it runs alone or in a PAIR. */
+static inline __m512 int4_lane_pairs(__m128 v) { /* lanes 0-7: v[0], lanes 8-15: v[1] */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(v));
+}
+static inline __m512 int4_two_f32(const float *p) { return int4_lane_pairs(_mm_castpd_ps(_mm_load_sd((const double *)p))); }
+static inline __m512 int4_two_f16(const uint16_t *p) { return int4_lane_pairs(_mm_cvtph_ps(_mm_loadu_si32(p))); }
+
+#define INT4_UNPACK_Z(qr, at, wl, wh)                                                             \
+    __m512i wl = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)((qr) + (at))));       \
+    __m512i wh = _mm512_srli_epi16(wl, 4);                                                        \
+    wl = _mm512_and_si512(wl, low4)
+#define INT4_DOT_Z(isum, wl, wh, xe, xo) isum = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum, wl, xe), wh, xo)
+
+static inline __attribute__((always_inline)) void int4_rows4_z(const int4_job *j, int64_t r, int64_t t, const int NP,
+                                                               const int G32, const int HALF, const int PAIR) {
+    const __m512i low4 = _mm512_set1_epi16(15);
+    int64_t k = j->k, half = k / 2, ng = k / j->group, steps = half / 32, per = G32 ? 1 : j->group / 64;
+    const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
+    const int16_t *y1 = x1 + NP * k, *y2 = y1 + k;
+    const float *sc1 = j->xscale + t * NP * ng, *sc2 = sc1 + ng, *sc3 = sc1 + NP * ng, *sc4 = sc3 + ng;
+    const uint8_t *q0 = j->q + r * half, *q1 = q0 + half, *q2 = q1 + half, *q3 = q2 + half;
+    int64_t s0 = r * ng, s1 = s0 + ng, s2 = s1 + ng, s3 = s2 + ng;
+#define INT4_SCALE(i) (HALF ? _cvtsh_ss(((const uint16_t *)j->s)[i]) : ((const float *)j->s)[i])
+#define INT4_WSCALE(i) (G32 ? (HALF ? int4_two_f16((const uint16_t *)j->s + (i)) : int4_two_f32((const float *)j->s + (i))) \
+                            : _mm512_set1_ps(INT4_SCALE(i)))
+#define INT4_XSCALE(sc, g) (G32 ? int4_two_f32((sc) + (g)) : _mm512_set1_ps((sc)[g]))
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0; /* PAIR: row t + 1 */
+    __m512i i0 = zero, i1 = zero, i2 = zero, i3 = zero, k0 = zero, k1 = zero, k2 = zero, k3 = zero;
+    __m512i p0 = zero, p1 = zero, p2 = zero, p3 = zero, m0 = zero, m1 = zero, m2 = zero, m3 = zero;
+    for (int64_t st = 0; st < steps; st++) {
+        int64_t at = st * 32;
+        if ((at & 63) == 0) {
+            const uint8_t *ahead = q0 + INT4_PREFETCH_ROWS * half + at;
+            for (int m = 0; m < 4; m++) _mm_prefetch((const char *)(ahead + m * half), _MM_HINT_T0);
+        }
+        __m512i xe = _mm512_loadu_si512((const void *)(x1 + at)), xo = _mm512_loadu_si512((const void *)(x1 + half + at));
+        INT4_UNPACK_Z(q0, at, l0, h0);
+        INT4_UNPACK_Z(q1, at, l1, h1);
+        INT4_UNPACK_Z(q2, at, l2, h2);
+        INT4_UNPACK_Z(q3, at, l3, h3);
+        INT4_DOT_Z(i0, l0, h0, xe, xo);
+        INT4_DOT_Z(i1, l1, h1, xe, xo);
+        INT4_DOT_Z(i2, l2, h2, xe, xo);
+        INT4_DOT_Z(i3, l3, h3, xe, xo);
+        if (NP == 2) {
+            __m512i ye = _mm512_loadu_si512((const void *)(x2 + at)), yo = _mm512_loadu_si512((const void *)(x2 + half + at));
+            INT4_DOT_Z(k0, l0, h0, ye, yo);
+            INT4_DOT_Z(k1, l1, h1, ye, yo);
+            INT4_DOT_Z(k2, l2, h2, ye, yo);
+            INT4_DOT_Z(k3, l3, h3, ye, yo);
+        }
+        if (PAIR) {
+            __m512i ye = _mm512_loadu_si512((const void *)(y1 + at)), yo = _mm512_loadu_si512((const void *)(y1 + half + at));
+            INT4_DOT_Z(p0, l0, h0, ye, yo);
+            INT4_DOT_Z(p1, l1, h1, ye, yo);
+            INT4_DOT_Z(p2, l2, h2, ye, yo);
+            INT4_DOT_Z(p3, l3, h3, ye, yo);
+            if (NP == 2) {
+                __m512i ze = _mm512_loadu_si512((const void *)(y2 + at)), zo = _mm512_loadu_si512((const void *)(y2 + half + at));
+                INT4_DOT_Z(m0, l0, h0, ze, zo);
+                INT4_DOT_Z(m1, l1, h1, ze, zo);
+                INT4_DOT_Z(m2, l2, h2, ze, zo);
+                INT4_DOT_Z(m3, l3, h3, ze, zo);
+            }
+        }
+        if (!G32 && (st + 1) % per) continue; /* the group goes on in the next step */
+        int64_t g = G32 ? 2 * st : st / per;
+        __m512 w0 = INT4_WSCALE(s0 + g), w1 = INT4_WSCALE(s1 + g), w2 = INT4_WSCALE(s2 + g), w3 = INT4_WSCALE(s3 + g);
+        __m512 c1 = INT4_XSCALE(sc1, g);
+        __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), c1), f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), c1);
+        __m512 f2 = _mm512_mul_ps(_mm512_cvtepi32_ps(i2), c1), f3 = _mm512_mul_ps(_mm512_cvtepi32_ps(i3), c1);
+        if (NP == 2) {
+            __m512 c2 = INT4_XSCALE(sc2, g);
+            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k0), c2, f0);
+            f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k1), c2, f1);
+            f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k2), c2, f2);
+            f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k3), c2, f3);
+        }
+        a0 = _mm512_fmadd_ps(f0, w0, a0);
+        a1 = _mm512_fmadd_ps(f1, w1, a1);
+        a2 = _mm512_fmadd_ps(f2, w2, a2);
+        a3 = _mm512_fmadd_ps(f3, w3, a3);
+        if (PAIR) { /* as f and a above, for row t + 1 */
+            __m512 c3 = INT4_XSCALE(sc3, g);
+            __m512 e0 = _mm512_mul_ps(_mm512_cvtepi32_ps(p0), c3), e1 = _mm512_mul_ps(_mm512_cvtepi32_ps(p1), c3);
+            __m512 e2 = _mm512_mul_ps(_mm512_cvtepi32_ps(p2), c3), e3 = _mm512_mul_ps(_mm512_cvtepi32_ps(p3), c3);
+            if (NP == 2) {
+                __m512 c4 = INT4_XSCALE(sc4, g);
+                e0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m0), c4, e0);
+                e1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m1), c4, e1);
+                e2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m2), c4, e2);
+                e3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(m3), c4, e3);
+            }
+            b0 = _mm512_fmadd_ps(e0, w0, b0);
+            b1 = _mm512_fmadd_ps(e1, w1, b1);
+            b2 = _mm512_fmadd_ps(e2, w2, b2);
+            b3 = _mm512_fmadd_ps(e3, w3, b3);
+        }
+        i0 = i1 = i2 = i3 = k0 = k1 = k2 = k3 = p0 = p1 = p2 = p3 = m0 = m1 = m2 = m3 = zero;
+    }
+#undef INT4_XSCALE
+#undef INT4_WSCALE
+#undef INT4_SCALE
+    const float *xs = j->xsum + t * ng;
+#define INT4_OFFSETS(m) (HALF ? dot_f16_tail((const uint16_t *)j->o + (r + m) * ng, xs, ng) \
+                              : dot_f32_tail((const float *)j->o + (r + m) * ng, xs, ng))
+    int4_store(j, t, r, _mm512_reduce_add_ps(a0) + INT4_OFFSETS(0));
+    int4_store(j, t, r + 1, _mm512_reduce_add_ps(a1) + INT4_OFFSETS(1));
+    int4_store(j, t, r + 2, _mm512_reduce_add_ps(a2) + INT4_OFFSETS(2));
+    int4_store(j, t, r + 3, _mm512_reduce_add_ps(a3) + INT4_OFFSETS(3));
+    if (PAIR) {
+        xs += ng;
+        int4_store(j, t + 1, r, _mm512_reduce_add_ps(b0) + INT4_OFFSETS(0));
+        int4_store(j, t + 1, r + 1, _mm512_reduce_add_ps(b1) + INT4_OFFSETS(1));
+        int4_store(j, t + 1, r + 2, _mm512_reduce_add_ps(b2) + INT4_OFFSETS(2));
+        int4_store(j, t + 1, r + 3, _mm512_reduce_add_ps(b3) + INT4_OFFSETS(3));
+    }
+#undef INT4_OFFSETS
+}
+
+/* the int4_rows4(_z) variant for this job: the kernel's constants as template arguments */
+#define INT4_CALL(fn, pair)                                                                                 \
+    do {                                                                                                    \
+        int np2 = j->nparts == 2, g32 = j->group == 32, hs = j->half_scales != 0;                          \
+        switch (np2 * 8 + g32 * 4 + hs * 2 + (pair)) {                                                      \
+        case 0: fn(j, r, t, 1, 0, 0, 0); break;  case 1: fn(j, r, t, 1, 0, 0, 1); break;                    \
+        case 2: fn(j, r, t, 1, 0, 1, 0); break;  case 3: fn(j, r, t, 1, 0, 1, 1); break;                    \
+        case 4: fn(j, r, t, 1, 1, 0, 0); break;  case 5: fn(j, r, t, 1, 1, 0, 1); break;                    \
+        case 6: fn(j, r, t, 1, 1, 1, 0); break;  case 7: fn(j, r, t, 1, 1, 1, 1); break;                    \
+        case 8: fn(j, r, t, 2, 0, 0, 0); break;  case 9: fn(j, r, t, 2, 0, 0, 1); break;                    \
+        case 10: fn(j, r, t, 2, 0, 1, 0); break; case 11: fn(j, r, t, 2, 0, 1, 1); break;                   \
+        case 12: fn(j, r, t, 2, 1, 0, 0); break; case 13: fn(j, r, t, 2, 1, 0, 1); break;                   \
+        case 14: fn(j, r, t, 2, 1, 1, 0); break; default: fn(j, r, t, 2, 1, 1, 1); break;                   \
+        }                                                                                                   \
+    } while (0)
 #endif
 
 static void int4_task(const void *args, int64_t part, int64_t parts) {
@@ -844,29 +1017,20 @@ static void int4_task(const void *args, int64_t part, int64_t parts) {
     /* the rows are cut in fours (N is a multiple of 4) */
     int64_t quads = j->n / 4, lo = quads * part / parts * 4, hi = quads * (part + 1) / parts * 4;
 #if INT4_VNNI
+    int wide = j->k % 64 == 0; /* 512-bit steps of 64 weights (a row's kernel depends only on the weight) */
     for (int64_t r = lo; r < hi; r += 4) {
         int64_t t = 0;
-        if (j->nparts == 1) /* bf16: rows in pairs */
-            for (; t + 1 < j->rows; t += 2) {
-                if (j->half_scales && j->group == 32)
-                    int4_rows4(j, r, t, 1, 1, 1, 1);
-                else if (j->half_scales)
-                    int4_rows4(j, r, t, 1, 0, 1, 1);
-                else if (j->group == 32)
-                    int4_rows4(j, r, t, 1, 1, 0, 1);
-                else
-                    int4_rows4(j, r, t, 1, 0, 0, 1);
-            }
+        for (; t + 1 < j->rows; t += 2) { /* rows in pairs */
+            if (wide)
+                INT4_CALL(int4_rows4_z, 1);
+            else
+                INT4_CALL(int4_rows4, 1);
+        }
         for (; t < j->rows; t++) {
-            if (j->half_scales && j->group == 32) {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 1, 0) : int4_rows4(j, r, t, 2, 1, 1, 0);
-            } else if (j->half_scales) {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 1, 0) : int4_rows4(j, r, t, 2, 0, 1, 0);
-            } else if (j->group == 32) {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 1, 0, 0) : int4_rows4(j, r, t, 2, 1, 0, 0);
-            } else {
-                j->nparts == 1 ? int4_rows4(j, r, t, 1, 0, 0, 0) : int4_rows4(j, r, t, 2, 0, 0, 0);
-            }
+            if (wide)
+                INT4_CALL(int4_rows4_z, 0);
+            else
+                INT4_CALL(int4_rows4, 0);
         }
     }
 #else
@@ -898,12 +1062,51 @@ static void int4_task(const void *args, int64_t part, int64_t parts) {
 static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np, int16_t *out_e, int16_t *out_o,
                         int64_t part_stride, float *scale, int64_t scale_stride) {
     float amax = 0.0f;
+#if INT4_VNNI
+    if (h % 16 == 0) {
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t i = 0; i < h; i += 16)
+            m = _mm512_max_ps(m, _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xe + i)), _mm512_abs_ps(_mm512_loadu_ps(xo + i))));
+        amax = _mm512_reduce_max_ps(m);
+    } else
+#endif
     for (int64_t i = 0; i < h; i++) {
         float a = fabsf(xe[i]), b = fabsf(xo[i]);
         amax = a > amax ? a : amax;
         amax = b > amax ? b : amax;
     }
     int e = amax > 0.0f ? ilogbf(amax) - 14 : 0; /* amax / 2^e in [2^14, 2^15); the caller saw no inf/nan */
+#if INT4_VNNI
+    if (h % 16 == 0) { /* the loops below, 16 lanes at a time: the same operations, so the same values */
+        for (int64_t p = 0; p < np; p++) {
+            int ep = e - 15 * (int)p;
+            int16_t *oe = out_e + p * part_stride, *oo = out_o + p * part_stride;
+            if (ep < -149) {
+                scale[p * scale_stride] = 0.0f;
+                memset(oe, 0, sizeof(int16_t) * h);
+                memset(oo, 0, sizeof(int16_t) * h);
+                continue;
+            }
+            float up = ldexpf(1.0f, ep);
+            scale[p * scale_stride] = up;
+            __m512 vup = _mm512_set1_ps(up), lim = _mm512_set1_ps(32767.0f), nlim = _mm512_set1_ps(-32767.0f);
+            __m512 vdown = _mm512_set1_ps(ep >= -126 ? ldexpf(1.0f, -ep) : 0.0f), vexp = _mm512_set1_ps((float)-ep);
+            for (int half = 0; half < 2; half++) {
+                float *src = (float *)(half ? xo : xe);
+                int16_t *dst = half ? oo : oe;
+                for (int64_t i = 0; i < h; i += 16) {
+                    __m512 x = _mm512_loadu_ps(src + i);
+                    __m512 sc = ep >= -126 ? _mm512_mul_ps(x, vdown) : _mm512_scalef_ps(x, vexp); /* exact either way */
+                    __m512 v = _mm512_roundscale_ps(sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    v = _mm512_max_ps(_mm512_min_ps(v, lim), nlim);
+                    _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+                    _mm512_storeu_ps(src + i, _mm512_sub_ps(x, _mm512_mul_ps(v, vup)));
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t p = 0; p < np; p++) {
         int ep = e - 15 * (int)p;
         int16_t *oe = out_e + p * part_stride, *oo = out_o + p * part_stride;
@@ -930,6 +1133,33 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
     }
 }
 
+/* One float32 row of x for the int4 GEMM, as the loop in DEF_INT4_GEMM, 16 lanes at a time
+ * (groups of 32 or more): its even elements then its odd ones in xf, each group's sum in
+ * xsum; 0 when the sum of |x| is not finite (inf or nan in x). */
+static int int4_split_f32(const float *xr, int64_t k, int64_t group, float *xf, float *xsum) {
+#if INT4_VNNI
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    int64_t half = k / 2;
+    __m512 total = _mm512_setzero_ps(); /* of |x|: not finite where x holds inf or nan (or the sum overflows) */
+    for (int64_t g = 0; g < k / group; g++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = g * group; i < (g + 1) * group; i += 32) {
+            __m512 a = _mm512_loadu_ps(xr + i), b = _mm512_loadu_ps(xr + i + 16);
+            _mm512_storeu_ps(xf + i / 2, _mm512_permutex2var_ps(a, evens, b));
+            _mm512_storeu_ps(xf + half + i / 2, _mm512_permutex2var_ps(a, odds, b));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+            total = _mm512_add_ps(total, _mm512_add_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        }
+        xsum[g] = _mm512_reduce_add_ps(sum);
+    }
+    return isfinite(_mm512_reduce_add_ps(total));
+#else
+    (void)xr, (void)k, (void)group, (void)xf, (void)xsum;
+    return 0;
+#endif
+}
+
 #define DEF_INT4_GEMM(SUF, T, LD, BF16_OUT)                                                                 \
     int infer_int4_gemm_##SUF(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16,   \
                               const T *x, int64_t xs, int64_t rows, int64_t k, T *y, int64_t n,              \
@@ -949,6 +1179,12 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
         float *xscale = xsum + rows * ng;                                                                   \
         for (int64_t t = 0; t < rows; t++) {                                                                \
             const T *xr = x + t * xs;                                                                       \
+            if (sizeof(T) == 4 && INT4_VNNI && group % 32 == 0) {                                           \
+                if (!int4_split_f32((const float *)xr, k, group, xf, xsum + t * ng)) {                     \
+                    free(xp); free(xsum); free(xf);                                                         \
+                    return -4;                                                                              \
+                }                                                                                           \
+            } else {                                                                                        \
             for (int64_t i = 0; i < half; i++) { /* even elements first, then odd */                        \
                 xf[i] = LD(xr[2 * i]);                                                                      \
                 xf[half + i] = LD(xr[2 * i + 1]);                                                           \
@@ -965,6 +1201,7 @@ static void int16_parts(const float *xe, const float *xo, int64_t h, int64_t np,
             if (!isfinite(total)) { /* inf or nan in x: torch's arithmetic says what comes out */          \
                 free(xp); free(xsum); free(xf);                                                             \
                 return -4;                                                                                  \
+            }                                                                                               \
             }                                                                                               \
             if (INT4_VNNI) {                                                                                \
                 int16_t *xt = (int16_t *)xp + t * np * k;                                                   \
@@ -1035,13 +1272,51 @@ typedef struct {
     int64_t rows, k, group, n;
 } int8_job;
 
+#if defined(__AVX512F__)
+/* INT8_ROW_DOT for R (a constant at each call site) activation rows from t at once: each 16
+ * weights are converted once for all R, and every row's sums are rounded as INT8_ROW_DOT's
+ * (the same products and additions in the same order), so a row's result does not depend on
+ * how many rows share the call (speculative decoding's verify steps equal plain decode). */
+static inline __attribute__((always_inline)) void int8_rows(const int8_job *j, const int8_t *qr, const float *sr,
+                                                            int64_t r, int64_t t, const int R) {
+    int64_t ng = j->k / j->group, group = j->group;
+    const float *x0 = j->xf + t * j->k;
+    __m512 acc[4], part[4];
+    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        for (int m = 0; m < R; m++) part[m] = _mm512_setzero_ps();
+        for (int64_t i = g * group; i < (g + 1) * group; i += 16) {
+            __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qr + i))));
+            for (int m = 0; m < R; m++)
+                part[m] = _mm512_add_ps(part[m], _mm512_mul_ps(qf, _mm512_loadu_ps(x0 + m * j->k + i)));
+        }
+        __m512 sc = _mm512_set1_ps(sr[g]);
+        for (int m = 0; m < R; m++) acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(part[m], sc));
+    }
+    for (int m = 0; m < R; m++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[m]);
+        float sum = 0.0f;
+        for (int e = 0; e < 16; e++) sum += lanes[e];
+        j->y[(t + m) * j->n + r] = sum;
+    }
+}
+#endif
+
 static void int8_task(const void *args, int64_t part, int64_t parts) {
     const int8_job *j = (const int8_job *)args;
     int64_t ng = j->k / j->group, lo = j->n * part / parts, hi = j->n * (part + 1) / parts;
     for (int64_t r = lo; r < hi; r++) {
         const int8_t *qr = j->q + r * j->k;
         const float *sr = j->scales + r * ng;
-        for (int64_t t = 0; t < j->rows; t++) {
+        int64_t t = 0;
+#if defined(__AVX512F__)
+        for (; t + 4 <= j->rows; t += 4) int8_rows(j, qr, sr, r, t, 4);
+        if (j->rows - t == 3) int8_rows(j, qr, sr, r, t, 3);
+        else if (j->rows - t == 2) int8_rows(j, qr, sr, r, t, 2);
+        t += j->rows - t >= 2 ? j->rows - t : 0;
+#endif
+        for (; t < j->rows; t++) {
             const float *xr = j->xf + t * j->k;
             INT8_ROW_DOT(qr, xr, sr, ng, j->group, j->y[t * j->n + r]);
         }

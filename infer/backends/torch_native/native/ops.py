@@ -209,7 +209,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
 
 # -- quantized GEMVs (few rows): the kernels split output rows across torch's thread count
 # on their own thread pool (native/kernels.c), which hands off in a microsecond or two.
-INT8_GEMV_MAX_ROWS = 4
+INT8_GEMV_MAX_ROWS = 8
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
