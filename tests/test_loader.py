@@ -543,6 +543,53 @@ def test_truncated_and_foreign_gguf(tmp_path):
         load_model(fake)
 
 
+def test_gguf_of_an_unknown_version_names_the_version(tmp_path):
+    path = write_gguf(tiny_model("qwen2"), "qwen2", tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    data[4:8] = struct.pack("<I", 99)
+    path.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedArchitectureError, match="format version 99; infer reads versions 2 and 3") as err:
+        load_model(path)
+    assert "truncated" not in str(err.value)
+
+
+def test_non_finite_safetensors_weight_is_refused_naming_the_tensor(saved, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    directory = copy_dir(saved["llama"][1], tmp_path / "m")
+    f = directory / "model.safetensors"
+    tensors = load_file(f)
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][3, 5] = np.inf
+    tensors[name][0, 1] = np.nan
+    save_file(tensors, f)
+    with pytest.raises(CorruptCheckpointError, match=rf"tensor {name} holds 2 non-finite values .*index \(0, 1\)"):
+        load_model(directory)
+    lazy = load_model(directory, load_weights=False).lazy_weights()  # what the engine reads
+    lazy["model.layers.0.mlp.down_proj.weight"]  # the others load
+    with pytest.raises(CorruptCheckpointError, match=name):
+        lazy[name]
+    with pytest.raises(CorruptCheckpointError, match=name):
+        lazy.read_slice(name, 0, 0, 4)  # a tensor-parallel shard
+
+
+def test_gguf_block_overwritten_with_ff_bytes_is_refused_naming_the_tensor(tmp_path):
+    """0xFF bytes over a Q8_0 tensor make its float16 scales nan: refused whether the tensor
+    is kept quantized (the int8 kernels) or dequantized."""
+    from infer.core.loader.gguf_header import GGUFHeader
+
+    path = write_gguf(tiny_model("qwen2"), "qwen2", tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    t = next(t for t in GGUFHeader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    data = bytearray(path.read_bytes())
+    data[t.data_offset:t.data_offset + t.n_bytes] = b"\xff" * t.n_bytes
+    path.write_bytes(bytes(data))
+    name = "model.layers.0.mlp.down_proj.weight"
+    for quantized in (True, False):
+        lazy = load_model(path, load_weights=False).lazy_weights(quantized=quantized)
+        with pytest.raises(CorruptCheckpointError, match=name + (r" \(scales\)" if quantized else r" holds")):
+            lazy[name]
+
+
 # --- the smollm2 alias ----------------------------------------------------------------------------
 
 def test_alias_resolves_inside_installed_package(smollm2_path):

@@ -242,6 +242,11 @@ class LLMEngine:
         parts = build_model(a, self.backend, self.ops, self.dist, load_tokenizer=not a.skip_tokenizer_init)
         m, graph, program = parts.loaded, parts.graph, parts.program
         self.model_config, self.tokenizer, self.chat_template = m.config, m.tokenizer, m.chat_template
+        # Why there is no tokenizer, for the errors of what needs one; None when there is one.
+        self.no_tokenizer = None if self.tokenizer is not None else (
+            "the engine was built with skip_tokenizer_init=True" if a.skip_tokenizer_init else
+            f"{a.model} ships no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json or "
+            "tokenizer_config.json beside its weights)")
         self.generation_config = m.generation_config
         self.dtype, self.max_model_len, self.runner = parts.dtype, parts.max_model_len, parts.runner
         # MoE models: tokens per expert per layer, accumulated over steps; None for dense models.
@@ -259,6 +264,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched, cache)
         self._allocate_kv_caches(cache.num_blocks, cache.block_size)
+        tokens = cache.num_blocks * cache.block_size
+        logging.getLogger("infer").info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency for %d-token requests: "
+            "%.2fx", cache.num_blocks, cache.block_size, tokens,
+            cache.num_blocks * self.runner.kv_cache_bytes_per_block(cache.block_size) / 2**20, self.max_model_len,
+            tokens / self.max_model_len)
         if self.dist is not None and not a.enforce_eager:
             logging.getLogger("infer").info("decode graphs are not captured with tensor parallelism yet; "
                                             "every step runs eagerly")
@@ -365,7 +376,13 @@ class LLMEngine:
                                enable_prefix_caching=a.enable_prefix_caching).resolve(block_size)
         kv_bytes = a.kv_cache_memory or self._kv_budget(a, per_token, block_size)
         # At least one full context, or the scheduler could never finish a long request.
-        kv_bytes = max(kv_bytes, per_token * (self.max_model_len + block_size))
+        floor = per_token * (self.max_model_len + block_size)
+        if a.kv_cache_memory and a.kv_cache_memory < floor:
+            logging.getLogger("infer").warning(
+                "kv_cache_memory=%.1f MiB is less than one full context (max_model_len=%d tokens at %d bytes per "
+                "token); the KV cache is %.1f MiB instead. Lower max_model_len for a smaller cache",
+                a.kv_cache_memory / 2**20, self.max_model_len, per_token, floor / 2**20)
+        kv_bytes = max(kv_bytes, floor)
         return CacheConfig(block_size, kv_cache_memory_bytes=kv_bytes,
                            enable_prefix_caching=a.enable_prefix_caching).resolve(block_size, per_token)
 
@@ -431,7 +448,8 @@ class LLMEngine:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if self.tokenizer is None:
-            raise ValueError("this engine was built with skip_tokenizer_init=True: pass {'prompt_token_ids': [...]}")
+            raise ValueError(f"a text prompt needs the tokenizer, but {self.no_tokenizer}: pass "
+                             "{'prompt_token_ids': [...]} instead")
         return prompt, list(self.tokenizer(prompt).input_ids)
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
@@ -502,9 +520,10 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: SamplingParams.{name} has token ids {bad[:5]} outside "
                                  f"the vocabulary [0, {self.vocab_size})")
         if p.stop_strings and (self.tokenizer is None or not p.detokenize):
-            why = "skip_tokenizer_init=True" if self.tokenizer is None else "detokenize=False"
-            raise ValueError(f"request {request_id!r}: SamplingParams.stop needs the generated text, which "
-                             f"{why} turns off; use stop_token_ids instead")
+            why = f"there is no tokenizer ({self.no_tokenizer})" if self.tokenizer is None else \
+                "detokenize=False turns it off"
+            raise ValueError(f"request {request_id!r}: SamplingParams.stop needs the generated text, and "
+                             f"{why}; use stop_token_ids instead")
 
     def _track(self, state: RequestState, req: Request, index: int) -> None:
         p = state.params
@@ -675,6 +694,7 @@ class LLMEngine:
                           host(sampled.ranks), host(sampled.top_token_ids), host(sampled.top_logprobs))
         if deferred:
             self._resample_refused(logits, comps, deferred, step)
+        self._fail_non_finite(comps, step)
         if groups:
             step = self._taken(step, groups, host(sampled.accepted))
         return step, self.scheduler.update_from_output(out, step)
@@ -722,6 +742,18 @@ class LLMEngine:
         if reqs:
             for r, drafts in zip(reqs, self.proposer.propose(reqs, budgets)):
                 r.spec_token_ids = [int(t) for t in drafts]
+
+    def _fail_non_finite(self, comps: list[CompletionState], step: StepOutput) -> None:
+        """End with finish_reason 'error' the requests whose logits held nan or inf (their
+        sampled logprob is nan): a token sampled from them would be garbage (token 0)."""
+        bad = np.flatnonzero(np.isnan(np.asarray(step.logprobs, dtype=np.float64)))
+        if not bad.size:
+            return
+        ids = list(dict.fromkeys(comps[i].request.request_id for i in bad))
+        for rid in ids:
+            logging.getLogger("infer").error("request %r: the model's logits hold nan or inf; the request ends with "
+                                             "finish_reason 'error'", rid.request_id)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
 
     def _resample_refused(self, logits, comps: list[CompletionState], deferred: frozenset, step: StepOutput) -> None:
         """Grammar rows sampled unmasked (`deferrable`): those whose token the grammar

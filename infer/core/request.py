@@ -34,6 +34,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # a stop condition of the engine (EOS, stop string, ...)
     FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len reached
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the model gave non-finite logits for it (a corrupt weight, an overflow)
 
     @property
     def is_finished(self) -> bool:
@@ -41,7 +42,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's finish_reason: 'stop', 'length', 'abort', or None while alive."""
+        """OpenAI's finish_reason: 'stop', 'length', 'abort', 'error' (vLLM's), or None while alive."""
         return _FINISH_REASONS.get(self)
 
 
@@ -49,6 +50,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

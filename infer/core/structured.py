@@ -329,8 +329,8 @@ class StructuredOutputs:
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         if self.tokenizer is None:
-            raise ValueError(f"{spec.field_name}: structured outputs need the tokenizer, which "
-                             "skip_tokenizer_init=True turned off")
+            raise ValueError(f"{spec.field_name}: structured outputs need the tokenizer, and this engine has "
+                             "none (skip_tokenizer_init=True, or a model that ships none)")
         key = spec.key()
         with self._lock:
             fut = self._cache.get(key)

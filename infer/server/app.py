@@ -12,18 +12,20 @@ from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_error_handlers
+from .guard import install_accept_error_limiter
 from .metrics import Metrics
 from .models import ModelRegistry
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, TokenizeRequest
 from .security import APIKeyMiddleware, BodyLimitMiddleware
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        install_accept_error_limiter(asyncio.get_running_loop())
         yield
         # uvicorn has stopped accepting and drained (or cancelled) the open
         # requests by now; stop the engine threads, aborting what is left.
@@ -33,6 +35,7 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
                   description="OpenAI-compatible LLM server (vLLM's routes and extras)")
     install_error_handlers(app)
     app.state.models, app.state.metrics = models, metrics
+    app.state.limits = limits or RequestLimits()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -56,9 +59,14 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            ids = model.chat_prompt([m.for_template() for m in body.messages], body.add_generation_prompt)
+            messages = [m.for_template() for m in body.messages]
+            model.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
+                                    "messages")
+            ids = await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt)
         else:
-            ids = list(model.tokenizer("tokenize")(body.prompt, add_special_tokens=body.add_special_tokens).input_ids)
+            model.check_text_length(len(body.prompt), "prompt")
+            tok = model.tokenizer("tokenize")
+            ids = await model.off_loop(lambda: list(tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -68,7 +76,8 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": model.tokenizer("detokenize").decode(body.tokens)}
+        tok = model.tokenizer("detokenize")
+        return {"prompt": await model.off_loop(tok.decode, body.tokens)}
 
     @app.get("/health")
     async def health() -> Response:

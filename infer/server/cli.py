@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..cli_model import add_engine_args, engine_args
+from .guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 
 
 def add_serve(sub) -> None:
@@ -29,6 +32,20 @@ def add_serve(sub) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on the API routes (repeatable; env INFER_API_KEY)")
     p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="prompts one completions request may carry (400 beyond)")
+    p.add_argument("--max-sequences-per-request", type=int, default=1024,
+                   help="prompts x n one request may ask for: each is a sequence in the batch (400 beyond)")
+    c = p.add_argument_group("connections: slow or idle clients")
+    c.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open between requests (uvicorn's)")
+    c.add_argument("--timeout-header", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers before the connection is closed")
+    c.add_argument("--timeout-idle", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                   help="seconds a request body may stall before the connection is closed")
+    c.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="open connections at most; a new one beyond closes the oldest that sent no request "
+                        "(lowered to fit the open-file limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     p.add_argument("--headless", action="store_true",
@@ -61,9 +78,17 @@ def build(args: argparse.Namespace):
     from .app import create_app
     from .metrics import Metrics
     from .models import ModelRegistry, ServedModel
+    from .protocol import RequestLimits
 
     from ..registry import get_reasoning_parser, get_tool_parser
 
+    for flag in ("max_prompts_per_request", "max_sequences_per_request", "max_connections"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    for flag in ("timeout_keep_alive", "timeout_header", "timeout_idle"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    limits = RequestLimits(args.max_prompts_per_request, args.max_sequences_per_request)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, ...)")
     tool_parser = get_tool_parser(args.tool_call_parser)() if args.tool_call_parser else None
@@ -95,7 +120,7 @@ def build(args: argparse.Namespace):
             r.shutdown()
         raise
     keys = args.api_key or ([os.environ["INFER_API_KEY"]] if os.environ.get("INFER_API_KEY") else None)
-    return create_app(registry, metrics, keys, args.max_request_body_bytes)
+    return create_app(registry, metrics, keys, args.max_request_body_bytes, limits)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -115,6 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     # Like vLLM: no *_created series beside every counter and histogram.
     prometheus_client.disable_created_metrics()
+    _log_to_stderr()
     try:
         app = build(args)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
@@ -133,8 +159,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     models = ", ".join(m.name for m in app.state.models)
     # Listening before printing, so whoever reads this line can connect at once.
     print(f"infer serve: {models} on http://{host}:{port}", flush=True)
+    from .guard import connection_cap, guarded_protocol
+
+    protocol = guarded_protocol(args.timeout_header, args.timeout_idle, connection_cap(args.max_connections))
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                            lifespan="on")
+                            lifespan="on", http=protocol, timeout_keep_alive=args.timeout_keep_alive,
+                            backlog=2048)
     server = _graceful_server(config)
     failed: list[str] = []
     threading.Thread(target=_watch_engines, args=(server, app.state.models, failed), daemon=True,
@@ -144,6 +174,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"infer serve: exiting: {failed[0]}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _log_to_stderr() -> None:
+    """The engine's INFO lines (KV capacity, captured graphs) on stderr, as vLLM's server shows them."""
+    log = logging.getLogger("infer")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 # How often the server checks that its engines (and their worker ranks) are alive,
@@ -166,6 +207,10 @@ def _watch_engines(server, models, failed: list[str]) -> None:
         time.sleep(WATCH_INTERVAL_S)
 
 
+# Before --shutdown-timeout runs out, the time left to end the requests still running.
+CUT_MARGIN_S = 1.0
+
+
 def _graceful_server(config):
     """A uvicorn.Server that exits 0 after a SIGTERM it handled gracefully.
 
@@ -175,6 +220,22 @@ def _graceful_server(config):
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Just before uvicorn would cancel what is still running (mid-chunk, with a
+            # traceback each), end those requests: streams get an error event and
+            # [DONE], the others a 503.
+            timeout = self.config.timeout_graceful_shutdown
+            cut = None
+            if timeout is not None:
+                models = self.config.app.state.models
+                cut = asyncio.get_running_loop().call_later(
+                    max(0.0, timeout - min(CUT_MARGIN_S, timeout / 2)), lambda: [m.end_requests() for m in models])
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if cut is not None:
+                    cut.cancel()
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():

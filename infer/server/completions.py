@@ -19,6 +19,7 @@ from .protocol import CompletionRequest
 async def create_completion(body: CompletionRequest, model: ServedModel, raw: Request) -> Response:
     params = body.to_sampling_params(model.sampling_defaults())
     prompts = body.prompts()
+    raw.app.state.limits.check(len(prompts), params.n)
     gen = Generation(model, f"cmpl-{uuid.uuid4().hex}", params, body.priority)
     await gen.start(prompts)
     if body.stream:

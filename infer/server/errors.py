@@ -59,6 +59,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param}: {first.get('msg', 'invalid value')}{more}", param
 
 
+def _parse_failure(cause: BaseException | None) -> str | None:
+    """What was wrong with a body FastAPI could not parse ("There was an error parsing the
+    body" is all it says): the JSON parser's own errors are answered before this."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+                f"{cause.start}): send JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body nests JSON arrays or objects too deeply to parse (the limit is about 1000 levels)"
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -72,7 +83,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, _parse_failure(exc.__cause__) or str(exc.detail),
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -34,10 +34,13 @@ class Generation:
 
     async def start(self, prompts: list[str | dict]) -> None:
         """Queue every prompt; a refused one aborts the others and becomes a 400."""
+        if self.model.cut_short:
+            raise APIError(503, "the server is shutting down")
+        self.model.live.add(self)
         for i, prompt in enumerate(prompts):
             rid = f"{self.request_id}-{i}"
             try:
-                prompt = self._within_context(prompt)
+                prompt = await self._within_context(prompt)
                 stream = await self.model.llm.generate(rid, prompt, self.params, self.priority)
             except (ValueError, TypeError) as exc:
                 self.abort()
@@ -56,14 +59,18 @@ class Generation:
             self._ids.append(rid)
             self._streams.append(stream)
 
-    def _within_context(self, prompt: str | dict) -> str | dict:
+    async def _within_context(self, prompt: str | dict) -> str | dict:
         """The prompt as token ids, after vLLM's check that the prompt and
         max_tokens fit the context (the engine alone would cut max_tokens).
         A prompt with no room at all is left for the engine to refuse."""
+        if isinstance(prompt, str):
+            self.model.check_text_length(len(prompt), "prompt")
         if self.params.max_tokens is None:
             return prompt
         if isinstance(prompt, str):  # tokenized here, on the server's own copy of the tokenizer
-            prompt = {"prompt": prompt, "prompt_token_ids": list(self.model.tokenizer("tokenize")(prompt).input_ids)}
+            tok = self.model.tokenizer("tokenize")
+            ids = await self.model.off_loop(lambda: list(tok(prompt).input_ids))
+            prompt = {"prompt": prompt, "prompt_token_ids": ids}
         n, limit, asked = len(prompt.get("prompt_token_ids", ())), self.model.max_model_len, self.params.max_tokens
         if 0 < n < limit < n + asked:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -107,9 +114,16 @@ class Generation:
     def _note(self, out: RequestOutput) -> None:
         if out.finished:
             self._finished.add(out.request_id)
+            if self.model.cut_short and any(c.finish_reason == "abort" for c in out.outputs):
+                raise APIError(503, "the server is shutting down: the request was ended at --shutdown-timeout "
+                                    "before it finished")
+            if any(c.finish_reason == "error" for c in out.outputs):
+                raise APIError(500, "the model produced non-finite values (nan or inf) for this request, which was "
+                                    "ended; see the server log")
 
     def abort(self) -> None:
         """Abort every request still running (client gone, error, shutdown)."""
+        self.model.live.discard(self)
         for rid in self._ids:
             if rid not in self._finished:
                 self.model.llm.abort(rid)

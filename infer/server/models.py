@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from ..core.async_engine import AsyncLLM
 from ..core.engine import LLMEngine
 from .errors import APIError
+
+T = TypeVar("T")
+# A text longer than max_model_len x the longest token's characters x this cannot fit the
+# context whatever its tokens; the slack covers normalizers that drop characters.
+TEXT_BOUND_SLACK = 4
 
 # generation_config keys that become the defaults of unset request fields.
 _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -24,6 +32,9 @@ class ServedModel:
     tool_parser: Any = None
     auto_tool_choice: bool = False
     reasoning: Any = None
+    # The API requests running (Generation objects), and whether a shutdown cut them short.
+    live: set = field(default_factory=set, repr=False)
+    cut_short: bool = False
 
     def __post_init__(self):
         # The engine thread detokenizes with its tokenizer while the event loop
@@ -32,6 +43,37 @@ class ServedModel:
         # has its own copy.
         tok = self.llm.engine.tokenizer
         self._tokenizer = copy.deepcopy(tok) if tok is not None else None
+        # Tokenizing, templating and detokenizing for requests run here, one at a time (the
+        # copy is not for concurrent use), off the event loop: a long prompt does not stall
+        # every other request and /health.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-tokenizer-{self.name}")
+
+    async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on the model's tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    @functools.cached_property
+    def _chars_per_token(self) -> int:
+        tok = self._tokenizer
+        return max(map(len, tok.convert_ids_to_tokens(list(range(len(tok))))), default=1) or 1
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """A 400 before any tokenizing for text that cannot fit the context whatever its
+        tokens (the exact count is checked after tokenizing)."""
+        if self._tokenizer is None:
+            return
+        bound = self.max_model_len * self._chars_per_token * TEXT_BOUND_SLACK
+        if chars > bound:
+            raise APIError(400, f"{param} holds {chars} characters, far more than this model's maximum context of "
+                                f"{self.max_model_len} tokens can hold (its tokens are at most {self._chars_per_token} "
+                                "characters); shorten it", param)
+
+    def end_requests(self) -> None:
+        """The shutdown timeout is near: end every running request now (each gets an error
+        saying so) rather than have uvicorn cancel it mid-response."""
+        self.cut_short = True
+        for gen in list(self.live):
+            gen.abort()
 
     @property
     def engine(self) -> LLMEngine:

@@ -7,9 +7,10 @@ fields keep working; fields we cannot honour when set are refused by name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling_params import SamplingParams
 from ..core.structured import StructuredOutputsParams
@@ -19,12 +20,73 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs 
 MAX_N = 128  # completions per prompt: each is a sequence in the batch, so a huge n is a denial of service
 
 
+def _unicode_problem(value: Any, path: str) -> tuple[str, str] | None:
+    """(field path, message) for the first string in `value` that is not valid Unicode:
+    JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate, which no tokenizer takes."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, (f"{path or 'the request'} holds a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x} at "
+                          f"character {exc.start}), which is not valid Unicode; send text as valid UTF-8 or pair "
+                          "the surrogate")
+        return None
+    if isinstance(value, BaseModel):
+        items = [(k, getattr(value, k)) for k in type(value).model_fields] + list((value.model_extra or {}).items())
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and not key.isascii():
+            found = _unicode_problem(key, path)
+            if found:
+                return found
+        found = _unicode_problem(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+class _ValidText(BaseModel):
+    """Refuses (400, naming the field) a body whose strings are not valid Unicode."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        found = _unicode_problem(self, "")
+        if found:
+            raise APIError(400, found[1], found[0])
+        return self
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask for (`infer serve --max-prompts-per-request`,
+    `--max-sequences-per-request`): each prompt, and each of its n completions, is a
+    sequence in the engine's batch, so one request must not queue thousands."""
+
+    max_prompts: int = 256
+    max_sequences: int = 1024
+
+    def check(self, num_prompts: int, n: int) -> None:
+        if num_prompts > self.max_prompts:
+            raise APIError(400, f"{num_prompts} prompts in one request exceed the server's limit of "
+                           f"{self.max_prompts} (--max-prompts-per-request); send them in several requests", "prompt")
+        if num_prompts * n > self.max_sequences:
+            raise APIError(400, f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences exceed the server's "
+                           f"limit of {self.max_sequences} per request (--max-sequences-per-request)", "n")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_ValidText):
     """Fields shared by completions and chat completions."""
 
     # NaN and infinities (which Python's JSON parser accepts) are never valid sampling values.
@@ -232,7 +294,7 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ValidText):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

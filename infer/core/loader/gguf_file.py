@@ -23,7 +23,7 @@ import numpy as np
 
 from . import quant_gguf
 from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
-from .gguf_header import GGUFHeader
+from .gguf_header import GGUFHeader, GGUFVersionError
 
 # GGUF general.architecture -> (HF architecture, model_type)
 GGUF_ARCHITECTURES = {
@@ -83,6 +83,10 @@ class GGUFCheckpoint:
                                              f"(or a corrupt one); {_REFETCH}")
         try:
             self.reader = GGUFHeader(path)
+        except GGUFVersionError as exc:
+            raise UnsupportedArchitectureError(
+                f"{path}: GGUF format version {exc.version}; infer reads versions 2 and 3 (what llama.cpp has "
+                "written since 2023). Convert the model again with a current llama.cpp") from None
         except Exception as exc:  # a short or damaged header: whatever struct or NumPy raise
             raise CorruptCheckpointError(f"{path}: unreadable GGUF ({type(exc).__name__}: {exc}); the file is "
                                          f"probably truncated; {_REFETCH}") from exc

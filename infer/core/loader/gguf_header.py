@@ -64,6 +64,14 @@ class GGUFTensor:
     data: np.ndarray
 
 
+class GGUFVersionError(ValueError):
+    """A well-formed GGUF of a version this reader does not know."""
+
+    def __init__(self, version: int):
+        super().__init__(f"GGUF version {version} is not supported (2 and 3 are)")
+        self.version = version
+
+
 class GGUFHeader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -73,7 +81,7 @@ class GGUFHeader:
             raise ValueError("not a GGUF file (bad magic)")
         version = self._unpack("<I", 4)
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+            raise GGUFVersionError(version)
         n_tensors, n_kv = self._unpack("<Q", 8), self._unpack("<Q", 16)
         pos = 24
         self.fields: dict[str, GGUFField] = {}

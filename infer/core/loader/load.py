@@ -12,6 +12,7 @@ import numpy as np
 
 from .architectures import check_architecture
 from .config import normalize_config, resolve_dtype
+from .errors import CorruptCheckpointError
 from .gguf_file import GGUFCheckpoint
 from .hf_dir import HFCheckpoint
 from .moe_layout import fuse_experts
@@ -139,6 +140,27 @@ def _read(ckpt: Checkpoint, name: str, dtype: np.dtype) -> np.ndarray:
     return array
 
 
+def require_finite(path: Path, name: str, value: Any) -> Any:
+    """`value` (an array, or a quantized handle's arrays) unless it holds nan or inf: a
+    corrupt file would otherwise load and generate garbage (token 0, nan logprobs)."""
+    arrays = [("", value)] if isinstance(value, np.ndarray) else [
+        (f" ({f})", getattr(value, f)) for f in ("qweight", "scales", "offsets", "bias")
+        if isinstance(getattr(value, f, None), np.ndarray)]
+    for part, a in arrays:
+        if np.issubdtype(a.dtype, np.floating):
+            bad = ~np.isfinite(a)
+        elif part == " (qweight)" and getattr(value, "kind", None) == "fp8":
+            bad = (a & 0x7F) == 0x7F  # e4m3fn's nan patterns
+        else:
+            continue
+        if bad.any():
+            first = np.unravel_index(int(np.argmax(bad)), a.shape)
+            raise CorruptCheckpointError(f"{path}: tensor {name}{part} holds {int(bad.sum())} non-finite values (nan "
+                                         f"or inf; the first at index {tuple(int(i) for i in first)}): the file is "
+                                         "corrupt or was written wrongly; download or convert it again")
+    return value
+
+
 class LazyWeights(Mapping):
     """Checkpoint weights read on first access; `pop` forgets one.
 
@@ -159,7 +181,7 @@ class LazyWeights(Mapping):
         handle = self._ckpt.read_quantized(name) if self._quantized else None
         array = handle if handle is not None else _read(self._ckpt, name, self._dtype)
         self._bar.update(self._ckpt.nbytes(name))
-        return array
+        return require_finite(self._ckpt.path, name, array)
 
     def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
         """[start, stop) along `axis` of one weight, as `dtype` (a tensor-parallel shard); where
@@ -177,7 +199,7 @@ class LazyWeights(Mapping):
             handle = None if handle is None else slice_handle(handle, axis, start, stop)
         if handle is not None:
             self._bar.update(self._ckpt.nbytes(name))
-            return handle
+            return require_finite(self._ckpt.path, name, handle)
         array = slice_of(self._ckpt, name, axis, start, stop)
         if np.issubdtype(array.dtype, np.floating) and array.dtype != self._dtype:
             array = array.astype(self._dtype)
@@ -187,7 +209,7 @@ class LazyWeights(Mapping):
             full = None
         if full:
             self._bar.update(self._ckpt.nbytes(name) * (stop - start) // full)
-        return array
+        return require_finite(self._ckpt.path, name, array)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._names
@@ -213,4 +235,4 @@ def stream_weights(ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = No
         for name in names:
             array = _read(ckpt, name, dtype)
             bar.update(ckpt.nbytes(name))
-            yield name, array
+            yield name, require_finite(ckpt.path, name, array)
