@@ -343,6 +343,19 @@ def test_the_draft_budget_drafts_what_measured_costs_and_acceptance_pay_for():
     assert plans == ([[0] * 32] * 4 + [[1] * 32]) * 2  # only a probe every 5th step
     b.record("r0", 1, 0)  # r0's probe was refused: it waits twice as long
     assert [b.plan(["r0"], batch=32)[0] for _ in range(9)] == [0] * 8 + [1]
+    # A shape's first step paid one-time costs: the second, cheaper, replaces it; drafting
+    # steps are interleaved with a plain one every REMEASURE_EVERY, so the plain cost is current.
+    b2 = DraftBudget(max_drafts=2)
+    b2._global = [9.0, 10.0]
+    b2.observe_step(8, 0, 0.460)
+    b2.observe_step(8, 8, 0.120)
+    b2.observe_step(8, 0, 0.150)
+    assert b2.step_seconds(8, 0) == pytest.approx(0.150)
+    b2.observe_step(8, 0, 0.160)
+    assert b2.step_seconds(8, 0) == pytest.approx(0.150 * 0.9 + 0.160 * 0.1)
+    plans = [b2.plan([f"q{i}" for i in range(8)], batch=8) for _ in range(2 * b2.REMEASURE_EVERY + 2)]
+    plain = [i for i, p in enumerate(plans) if p == [0] * 8]
+    assert plain == [b2.REMEASURE_EVERY, 2 * b2.REMEASURE_EVERY + 1] and all(p[0] > 0 for p in plans[:plain[0]])
     # A request whose drafts are refused stops taking part at batch 1.
     for _ in range(30):
         b.record("c", 1, 0)

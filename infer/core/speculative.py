@@ -158,24 +158,38 @@ class DraftBudget:
     expected second (B + sum over those requests of alpha + ... + alpha^k, over the
     cost of B and k times their count). The others, and every request when k is
     0, draft one token now and then (every 4 steps, backing off to 64 while those
-    probes are refused), so a change in what they write is noticed.
+    probes are refused), so a change in what they write is noticed. After
+    REMEASURE_EVERY drafting steps at a batch size, one step drafts nothing, so
+    the plain cost drafting is weighed against stays measured; and a bucket's
+    first step counts only if its second is not cheaper (a new shape's first
+    step pays one-time costs: SmolLM2's first plain step at batch 32 took
+    460 ms, the next ones 150).
     """
 
     DECAY = 0.9
     PRIOR = 0.3
     MIN_ALPHA = 0.5
     PROBE_MIN, PROBE_MAX = 4, 64
+    REMEASURE_EVERY = 32
 
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
         self._times: dict[tuple[int, int], float] = {}
+        self._seen: dict[tuple[int, int], int] = {}  # steps observed per bucket
+        self._drafting: dict[int, int] = {}  # per batch bucket: steps planned with drafts since a plain one
         self._global = [1.4, 2.0]  # accepted, tried (prior: 0.7)
         self._requests: dict = {}  # request id -> [accepted, tried, steps until a probe, probe interval]
 
     def observe_step(self, batch: int, drafted: int, seconds: float) -> None:
         key = (_bucket(batch), _bucket(drafted))
         old = self._times.get(key)
-        self._times[key] = seconds if old is None else old * self.DECAY + seconds * (1 - self.DECAY)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if old is None:
+            self._times[key] = seconds
+        elif seen == 2:  # the first step of a shape pays one-time costs (allocations, dense copies): not its cost
+            self._times[key] = min(old, seconds)
+        else:
+            self._times[key] = old * self.DECAY + seconds * (1 - self.DECAY)
 
     def step_seconds(self, batch: int, drafted: int) -> float | None:
         """Expected seconds of a decode step of `batch` requests with `drafted` drafts; None before any plain one."""
@@ -214,6 +228,12 @@ class DraftBudget:
                 tokens = batch + sum(sum(a**j for j in range(1, k + 1)) for a in takers)
                 if tokens / seconds > best_rate:
                     best_k, best_rate = k, tokens / seconds
+        if best_k:
+            b = _bucket(batch)
+            self._drafting[b] = self._drafting.get(b, 0) + 1
+            if self._drafting[b] > self.REMEASURE_EVERY:  # a plain step now and then keeps its cost current
+                self._drafting[b] = 0
+                return [0] * len(request_ids)
         return [best_k if best_k and a >= self.MIN_ALPHA else self._probe(r) for r, a in zip(request_ids, alphas)]
 
     def _probe(self, request_id) -> int:
