@@ -407,3 +407,26 @@ def test_at_the_shutdown_timeout_running_requests_end_with_errors_not_cuts(model
         assert not any("Traceback" in line or "Cancel" in line for line in srv.log), "".join(srv.log)
     finally:
         srv.stop()
+
+
+def test_failed_accepts_are_logged_once_per_interval_not_per_attempt(caplog, monkeypatch):
+    """What a file-handle exhaustion logs (asyncio reports each failed accept): one line per
+    interval instead of ~390 MB a minute; other loop errors still reach the old handler."""
+    from infer.server import guard
+
+    monkeypatch.setattr(guard, "_last_logged", {})
+    loop = asyncio.new_event_loop()
+    try:
+        others = []
+        loop.set_exception_handler(lambda lp, ctx: others.append(ctx["message"]))
+        guard.install_accept_error_limiter(loop)
+        with caplog.at_level(logging.WARNING, logger="infer.server"):
+            for _ in range(1000):
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": OSError(24, "Too many open files")})
+            loop.call_exception_handler({"message": "something else"})
+    finally:
+        loop.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Too many open files" in lines[0], lines
+    assert others == ["something else"]
