@@ -55,7 +55,8 @@ class ServedModel:
     @functools.cached_property
     def _chars_per_token(self) -> int:
         tok = self._tokenizer
-        return max(map(len, tok.convert_ids_to_tokens(list(range(len(tok))))), default=1) or 1
+        # (a vocabulary with holes gives None for the missing ids)
+        return max((len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t), default=1)
 
     def check_text_length(self, chars: int, param: str) -> None:
         """A 400 before any tokenizing for text that cannot fit the context whatever its
