@@ -60,13 +60,9 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages = [m.for_template() for m in body.messages]
-            model.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
-                                    "messages")
             ids = await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt)
         else:
-            model.check_text_length(len(body.prompt), "prompt")
-            tok = model.tokenizer("tokenize")
-            ids = await model.off_loop(lambda: list(tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids))
+            ids = await model.off_loop(model.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -26,7 +26,6 @@ async def create_chat_completion(body: ChatCompletionRequest, model: ServedModel
     mode, grammar, messages, tools = _tool_plan(body, model)
     if grammar is not None:
         params = dataclasses.replace(params, structured_outputs=grammar)
-    model.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
     ids = await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt, tools)
     gen = Generation(model, f"chatcmpl-{uuid.uuid4().hex}", params, body.priority)
     await gen.start([{"prompt_token_ids": ids}])

@@ -63,14 +63,12 @@ class Generation:
         """The prompt as token ids, after vLLM's check that the prompt and
         max_tokens fit the context (the engine alone would cut max_tokens).
         A prompt with no room at all is left for the engine to refuse."""
-        if isinstance(prompt, str):
-            self.model.check_text_length(len(prompt), "prompt")
         if self.params.max_tokens is None:
+            if isinstance(prompt, str):  # the engine thread tokenizes it
+                self.model.check_text_length(len(prompt), "prompt")
             return prompt
         if isinstance(prompt, str):  # tokenized here, on the server's own copy of the tokenizer
-            tok = self.model.tokenizer("tokenize")
-            ids = await self.model.off_loop(lambda: list(tok(prompt).input_ids))
-            prompt = {"prompt": prompt, "prompt_token_ids": ids}
+            prompt = {"prompt": prompt, "prompt_token_ids": await self.model.off_loop(self.model.encode, prompt)}
         n, limit, asked = len(prompt.get("prompt_token_ids", ())), self.model.max_model_len, self.params.max_tokens
         if 0 < n < limit < n + asked:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "

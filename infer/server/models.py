@@ -99,9 +99,16 @@ class ServedModel:
     def template_takes_tools(self) -> bool:
         return "tools" in (self.engine.chat_template or "")
 
+    def encode(self, text: str, **kwargs) -> list[int]:
+        """Token ids of a text prompt (after `check_text_length`)."""
+        self.check_text_length(len(text), "prompt")
+        return list(self.tokenizer("tokenize")(text, **kwargs).input_ids)
+
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation under the model's chat template (`tools` go to a template that reads them)."""
+        self.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
+                               "messages")
         tok = self.tokenizer("apply a chat template")
         template = self.engine.chat_template
         if template is None:

@@ -1312,9 +1312,13 @@ static void int8_task(const void *args, int64_t part, int64_t parts) {
         int64_t t = 0;
 #if defined(__AVX512F__)
         for (; t + 4 <= j->rows; t += 4) int8_rows(j, qr, sr, r, t, 4);
-        if (j->rows - t == 3) int8_rows(j, qr, sr, r, t, 3);
-        else if (j->rows - t == 2) int8_rows(j, qr, sr, r, t, 2);
-        t += j->rows - t >= 2 ? j->rows - t : 0;
+        if (j->rows - t == 3) {
+            int8_rows(j, qr, sr, r, t, 3);
+            t += 3;
+        } else if (j->rows - t == 2) {
+            int8_rows(j, qr, sr, r, t, 2);
+            t += 2;
+        }
 #endif
         for (; t < j->rows; t++) {
             const float *xr = j->xf + t * j->k;
