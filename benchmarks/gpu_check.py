@@ -1,32 +1,44 @@
-"""One prepared check of the `cuda` backend on a GPU (H100/H200), < 8 minutes.
+"""One prepared check of the `cuda` backend on a GPU (H100/H200), < 10 minutes.
 
     python benchmarks/gpu_check.py                # on a GPU: the full check
     python benchmarks/gpu_check.py --smoke        # anywhere: tiny shapes in Triton's interpreter on the CPU
     python benchmarks/gpu_check.py --json out.json --skip conformance
     python benchmarks/gpu_check.py --only tune    # the tile sweep alone
 
-Sections, each timed and reported as it finishes (a failing section is a
-line, not a crash, and makes the exit status 1):
+Sections, in order of what a short device session needs most, each timed and
+reported as it finishes (a failing section is a line, not a crash, and makes
+the exit status 1). Every result computed at real sizes is compared with the
+`torch` backend's on the same device, not only timed:
   1. peaks      measured device limits: copy bandwidth (GB/s, read+write) and a
                 bf16 matmul (TFLOP/s), the yardsticks for everything below.
-  2. conformance the cross-backend suite on the device in fp16 and bf16.
-  3. primitives each Triton kernel at Llama-3-8B / Mixtral shapes, beside the
-                `torch` backend on the same device: ms, GB/s and TFLOP/s with
-                their share of the measured peaks.
+  2. references the kernels against torch at real sizes: an fp8 KV pool of
+                ~140k blocks with a request's blocks at ids >= 131,072 (offsets
+                past 2^31 bytes), long-context split-KV decode, a mixed
+                prefill+decode step, head size 256 with a sliding window and a
+                soft-cap, float32, int4/int8/fp8 linears, MoE with 64 experts top-8.
+  3. conformance the cross-backend suite on the device in fp16 and bf16.
   4. attention  paged-attention decode at batch 64 x context 2048 (target:
                 >= 70% of copy bandwidth) and flash-decoding at batch 1,
                 each with a bf16 and an fp8 KV cache.
-  5. e2e        a Llama-3-8B-shaped model with random bf16 weights (no hub):
+  5. compiles   one request decoding eagerly over a growing context, then
+                batches 1..64: kernel variants compiled and the stalls they cost.
+  6. e2e        a Llama-3-8B-shaped model with random bf16 weights (no hub):
                 prefill throughput, decode step eager and with CUDA graphs at
                 batch 1 (target: >= 80% of the weight-streaming roofline) and
                 batch 64.
-  6. engine     LLMEngine on a random 1B-sized Llama and a small random
+  7. memory     an engine sized by gpu_memory_utilization=0.9 (a random 1B
+                Llama, max_num_seqs 256) capturing every decode batch size:
+                KV blocks, peak memory against the budget, a full batch served.
+  8. engine     LLMEngine on a random 1B-sized Llama and a small random
                 Mixtral saved by transformers: a batch of greedy requests with
                 --enforce-eager, with the graphs' padded static buffers run
                 eagerly, and with the engine's CUDA graphs (the last two must
                 give equal tokens and expert counts); the Llama also with an
                 fp8 KV cache, static buffers against graphs; tokens/s of each.
-  7. tune       (only with --tune or --only tune) sweeps the launch parameters
+  9. primitives each Triton kernel at Llama-3-8B / Mixtral shapes, beside the
+                `torch` backend on the same device: ms, GB/s and TFLOP/s with
+                their share of the measured peaks, and the largest difference.
+ 10. tune       (only with --tune or --only tune) sweeps the launch parameters
                 of paged attention (decode, long decode, prefill) and of the
                 int4 linear (T=1 and a prefill-sized T); prints the best of each.
 Without a GPU the script switches to --smoke by itself: TRITON_INTERPRET=1 is
@@ -68,18 +80,39 @@ class Shapes:
     block_size: int = 16
     warmup: int = 3
     iters: int = 10
+    # references: an fp8 pool of this many blocks, the request's blocks from this id on
+    pool_blocks: int = 140_000
+    high_block: int = 131_072
+    high_reqs: tuple = (4, 2048)  # requests x context in the high blocks
+    ref_long: tuple = (1, 32768)  # split-KV decode: batch x context
+    mixed_prefill: tuple = ((512, 8192), (512, 4096))  # (query rows, context) of the prefill chunks
+    mixed_decode: tuple = (30, 1024, 8192)  # decode rows, context range
+    wide: tuple = (2, 16384, 256, 4096, 50.0)  # batch, context, head size, sliding window, soft-cap
+    f32_decode: tuple = (4, 2048)
+    linear_tokens: tuple = (1, 16, 2048)
+    moe_wide: tuple = (64, 8, 2048, 1408, (16, 2048))  # experts, top-k, hidden, intermediate, tokens
+    stall_context: int = 8192  # compiles: one request decoding to this context
+    stall_batches: tuple = (1, 2, 3, 5, 8, 13, 16, 31, 32, 48, 64)
+    memory_seqs: int = 256  # memory: max_num_seqs (every batch size up to it captured)
 
 
 SMOKE = Shapes(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=128, layers=2, row_tokens=8,
                prefill_seqs=(2, 20), decode=(3, 40), long_decode=(1, 70), experts=4, moe_tokens=(4, 12),
-               e2e_prefill=(2, 9), e2e_context=20, e2e_batch=3, warmup=1, iters=1)
+               e2e_prefill=(2, 9), e2e_context=20, e2e_batch=3, warmup=1, iters=1,
+               pool_blocks=48, high_block=32, high_reqs=(2, 40), ref_long=(1, 90), mixed_prefill=((17, 40),),
+               mixed_decode=(2, 10, 50), wide=(1, 80, 32, 24, 5.0), f32_decode=(2, 30), linear_tokens=(1, 5),
+               moe_wide=(8, 3, 32, 16, (5,)), stall_context=40, stall_batches=(1, 3), memory_seqs=4)
+
+
+SECTION_NAMES = ("peaks", "references", "conformance", "attention", "compiles", "e2e", "memory", "engine",
+                 "primitives", "tune")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's interpreter (automatic without a GPU)")
     p.add_argument("--skip", action="append", default=[],
-                   help="skip a section: peaks, conformance, primitives, attention, e2e, engine")
+                   help="skip a section: " + ", ".join(SECTION_NAMES))
     p.add_argument("--tune", action="store_true",
                    help="also sweep the attention and int4-linear launch parameters (a few minutes on a GPU)")
     p.add_argument("--only", action="append", default=[], help="run only this section (repeatable)")
@@ -180,7 +213,160 @@ def section_peaks(out):
     print(f"  copy bandwidth {PEAK['copy_GBps']:.4g} GB/s (read+write), bf16 matmul {PEAK['bf16_TFLOPs']:.4g} TFLOP/s")
 
 
-# -- 2. conformance ---------------------------------------------------------------------
+# -- 2. references at real sizes ---------------------------------------------------------
+class Checks:
+    """Results against the torch backend's: the largest difference over the reference's
+    largest magnitude. Every check is printed and kept; the section fails at the end
+    if any was over its tolerance (one bad case does not hide the others)."""
+
+    def __init__(self, out: dict):
+        self.out = out.setdefault("checks", {})
+        self.failed: list[str] = []
+
+    def __call__(self, label: str, got, want, tol: float) -> float:
+        pairs = zip(got, want) if isinstance(got, (tuple, list)) else ((got, want),)
+        err = 0.0
+        for g, w in pairs:
+            g, w = g.float(), w.float()
+            err = max(err, ((g - w).abs().max() / w.abs().max().clamp_min(1e-6)).item())
+        ok = err <= tol  # False for nan
+        self.out[label] = dict(rel_err=err, tol=tol, ok=ok)
+        print(f"  {'ok  ' if ok else 'FAIL'} {label}: max |diff| {err:.1e} of max |ref| (tolerance {tol:.0e})")
+        if not ok:
+            self.failed.append(label)
+        return err
+
+    def done(self) -> None:
+        if self.failed:
+            raise AssertionError(f"{len(self.failed)} result(s) differ from torch's: {', '.join(self.failed)}")
+
+
+def _meta(q_lens, seq_lens, first_block: int = 0, num_blocks: int | None = None, seed: int = 0) -> AttentionMetadata:
+    """Host metadata of requests adding `q_lens` tokens to reach `seq_lens`; their blocks drawn
+    without repeats from ids [first_block, num_blocks)."""
+    bs = S.block_size
+    q_lens, seq_lens = np.asarray(q_lens, np.int32), np.asarray(seq_lens, np.int32)
+    per = -(-seq_lens // bs)
+    num_blocks = num_blocks if num_blocks is not None else first_block + int(per.sum())
+    ids = first_block + np.random.default_rng(seed).permutation(num_blocks - first_block)[: int(per.sum())]
+    table = np.zeros((len(per), int(per.max())), np.int32)
+    for b, (lo, n) in enumerate(zip(np.cumsum(per) - per, per)):
+        table[b, :n] = ids[lo:lo + n]
+    slots = np.concatenate([table[b, pos // bs].astype(np.int64) * bs + pos % bs
+                            for b, pos in enumerate(np.arange(s - q, s) for q, s in zip(q_lens, seq_lens))])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return AttentionMetadata(qsl, seq_lens, table, slots, int(q_lens.max()), int(seq_lens.max()), bs)
+
+
+def _attention_pair(q, cache, meta, **kw):
+    """(cuda, torch) attention of the same inputs, each through its backend's metadata."""
+    scale = q.shape[-1] ** -0.5
+    got = CUDA.attention(q, cache, CUDA.prepare_metadata(meta), scale, **kw)
+    want = TORCH.attention(q, cache, Ops(TORCH).prepare_metadata(meta), scale, **kw)
+    return got, want
+
+
+def section_references(out):
+    from infer.primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight
+
+    chk = Checks(out)
+    D, hk, hq, bs = S.head_dim, S.kv_heads, S.heads, S.block_size
+    # fp8 KV pool whose request blocks sit past 2^31 bytes of one cache plane: kv_write's and
+    # attention's offsets must be int64. The torch backend writes the same tokens into a
+    # compact pool; the codes must be equal, byte for byte.
+    b, c = S.high_reqs
+    meta = _meta([c] * b, [c] * b, S.high_block, S.pool_blocks, seed=1)
+    pool = CUDA.allocate_kv_cache(S.pool_blocks, bs, hk, D, "fp8")
+    k, v = rnd(b * c, hk, D), rnd(b * c, hk, D)
+    scales = (0.05, 0.04)  # |x| < 5 -> codes under 100 of e4m3's 448
+    CUDA.kv_write(k, v, pool, CUDA.asarray(meta.slot_mapping), scales)
+    used = torch.as_tensor(meta.block_table[meta.block_table >= S.high_block].astype(np.int64), device=DEV)
+    compact = TORCH.allocate_kv_cache(used.numel(), bs, hk, D, "fp8")
+    flat = {int(blk): i for i, blk in enumerate(used.tolist())}
+    cslots = np.array([flat[s // bs] * bs + s % bs for s in meta.slot_mapping.tolist()], np.int64)
+    TORCH.kv_write(k, v, compact, TORCH.asarray(cslots), scales)
+    wrong = int((pool[:, used] != compact).sum())
+    stray = int(pool[:, : S.high_block].count_nonzero())
+    offset = S.high_block * pool[0].stride(0) * pool.element_size()
+    print(f"  fp8 pool of {S.pool_blocks:,} blocks ({pool.numel() / 2**30:.1f} GiB), {b} requests in blocks >= "
+          f"{S.high_block:,} (byte offsets from {offset / 2**30:.2f} GiB): {wrong} codes differ from torch's, "
+          f"{stray} bytes written below")
+    out["fp8_pool"] = dict(blocks=S.pool_blocks, wrong_codes=wrong, stray_bytes=stray)
+    if wrong or stray:
+        chk.failed.append("fp8 kv_write into high blocks")
+    q = rnd(b, hq, D)
+    got, want = _attention_pair(q, pool, _meta([1] * b, [c] * b, S.high_block, S.pool_blocks, seed=1), kv_scales=scales)
+    chk(f"fp8 decode {b}x{c} in blocks >= {S.high_block:,}", got, want, 2e-2)
+    qp = rnd(b * c, hq, D)
+    got, want = _attention_pair(qp, pool, meta, kv_scales=scales)
+    chk(f"fp8 prefill {b}x{c} in blocks >= {S.high_block:,}", got, want, 2e-2)
+    del pool, compact
+    if DEV.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    # Long context: the decode splits its key range (flash-decoding) and combines.
+    b, c = S.ref_long
+    m = _meta([1] * b, [c] * b)
+    cache = CUDA.allocate_kv_cache(int(m.block_table.max()) + 1, bs, hk, D, "bfloat16").normal_()
+    got, want = _attention_pair(rnd(b, hq, D), cache, m)
+    chk(f"split-KV decode {b}x{c}", got, want, 2e-2)
+    # A mixed step: prefill chunks late in long contexts beside decode rows.
+    rng = np.random.default_rng(2)
+    n_dec, lo, hi = S.mixed_decode
+    q_lens = [q for q, _ in S.mixed_prefill] + [1] * n_dec
+    seq_lens = [s for _, s in S.mixed_prefill] + rng.integers(lo, hi, n_dec).tolist()
+    m = _meta(q_lens, seq_lens, seed=3)
+    cache = CUDA.allocate_kv_cache(int(m.block_table.max()) + 1, bs, hk, D, "bfloat16").normal_()
+    got, want = _attention_pair(rnd(sum(q_lens), hq, D), cache, m)
+    chk(f"mixed step: {len(S.mixed_prefill)} prefill chunks + {n_dec} decode rows", got, want, 2e-2)
+    # Head size 256 with a sliding window and a soft-cap (Gemma-2-like), decode split and prefill.
+    b, c, d, window, cap = S.wide
+    for label, q_len in (("decode", 1), ("prefill chunk", min(512, c // 4))):
+        m = _meta([q_len] * b, [c] * b, seed=4)
+        cache = CUDA.allocate_kv_cache(int(m.block_table.max()) + 1, bs, hk, d, "bfloat16").normal_()
+        got, want = _attention_pair(rnd(b * q_len, hq, d), cache, m, sliding_window=window, soft_cap=cap)
+        chk(f"head {d}, window {window}, soft-cap {cap}: {label} {b}x{c}", got, want, 2e-2)
+    # float32 end to end (the FMA-unit tiles).
+    b, c = S.f32_decode
+    for label, q_len in (("decode", 1), ("prefill", min(256, c))):
+        m = _meta([q_len] * b, [c] * b, seed=5)
+        cache = CUDA.allocate_kv_cache(int(m.block_table.max()) + 1, bs, hk, D, "float32").normal_()
+        got, want = _attention_pair(rnd(b * q_len, hq, D, dtype=torch.float32), cache, m)
+        chk(f"float32 attention {label} {b}x{c}", got, want, 1e-4)
+    del cache
+    # Quantized linears at a Llama-3-8B down_proj (N=4096, K=14336), the torch backend as reference.
+    H, I = S.hidden, S.inter
+    codes = torch.randint(0, 256, (H, I // 2), dtype=torch.uint8, device=DEV)
+    big = 128 if I % 128 == 0 else I  # GPTQ/AWQ's group size (smoke shapes: one group per row)
+    weights = {
+        "int4 g32": Int4GroupWeight(codes, rnd(H, I // 32, dtype=torch.float32, scale=0.01),
+                                    rnd(H, I // 32, dtype=torch.float32, scale=0.01), 32, dtype="bfloat16"),
+        f"int4 g{big}": Int4GroupWeight(codes, rnd(H, I // big, dtype=torch.float32, scale=0.01),
+                                        rnd(H, I // big, dtype=torch.float32, scale=0.01), big, dtype="bfloat16"),
+        "int8 g32": Int8GroupWeight(torch.randint(-127, 128, (H, I), dtype=torch.int8, device=DEV),
+                                    rnd(H, I // 32, dtype=torch.float32, scale=0.001), 32, dtype="bfloat16"),
+        "fp8 per-row": Fp8Weight(torch.randn(H, I, device=DEV).to(torch.float8_e4m3fn).view(torch.uint8),
+                                 rnd(H, dtype=torch.float32, scale=0.01).abs(), dtype="bfloat16"),
+    }
+    for name, w in weights.items():
+        ref_w = TORCH.prepare_weight(w)
+        for t in S.linear_tokens:
+            x = rnd(t, I)
+            chk(f"linear {name} T={t}", CUDA.linear(x, w), TORCH.linear(x, ref_w), 2e-2)
+    x = rnd(16, I, dtype=torch.float32)
+    w32 = Int4GroupWeight(codes, weights["int4 g32"].scales, weights["int4 g32"].offsets, 32, dtype="float32")
+    chk("linear int4 g32 float32 T=16", CUDA.linear(x, w32), TORCH.linear(x, TORCH.prepare_weight(w32)), 1e-4)
+    # MoE with many experts (Qwen/DeepSeek-like): 64 experts, top-8.
+    e, top, h, inter, tokens = S.moe_wide
+    w13, w2 = rnd(e, 2 * inter, h, scale=h**-0.5), rnd(e, h, inter, scale=inter**-0.5)
+    for t in tokens:
+        xm, logits = rnd(t, h), rnd(t, e)
+        chk(f"moe {e} experts top-{top} T={t}", CUDA.moe(xm, logits, w13, w2, top, True),
+            TORCH.moe(xm, logits, w13, w2, top, True), 3e-2)
+    chk.done()
+
+
+# -- 3. conformance ---------------------------------------------------------------------
 def section_conformance(out):
     from infer.testing import run_conformance
 
@@ -218,7 +404,7 @@ def section_conformance(out):
         raise AssertionError(f"kv_write wrote {wrong} fp8 codes that differ from the contract's")
 
 
-# -- 3. primitives ------------------------------------------------------------------------
+# -- 9. primitives ------------------------------------------------------------------------
 def _decode_meta(batch: int, context: int, q_len: int = 1, shuffle: bool = True) -> AttentionMetadata:
     """Host metadata: `batch` requests each adding `q_len` tokens to reach `context`."""
     bs = S.block_size
@@ -235,12 +421,18 @@ def section_primitives(out):
     H, T, I, D = S.hidden, S.row_tokens, S.inter, S.head_dim
     rows = []
 
-    def row(name, fn_cuda, fn_torch, nbytes=0.0, flops=0.0):
+    chk = Checks(out)
+
+    def row(name, fn_cuda, fn_torch, nbytes=0.0, flops=0.0, tol=2e-2, check=None):
+        """Time both; then compare their results (`check()` -> (cuda, torch) for a primitive
+        that works in place, run on fresh inputs; else the two calls' return values)."""
         t_c = timed(fn_cuda)
         t_t = timed(fn_torch)
         print(f"  {name:34s} cuda {rate(t_c, nbytes, flops)}   torch {t_t * 1e3:9.3f} ms  (x{t_t / t_c:.2f})")
+        got, want = check() if check is not None else (fn_cuda(), fn_torch())
+        err = chk(name, got, want, tol)
         rows.append(dict(name=name, cuda_ms=t_c * 1e3, torch_ms=t_t * 1e3, GBps=nbytes / t_c / 1e9 if nbytes else None,
-                         TFLOPs=flops / t_c / 1e12 if flops else None))
+                         TFLOPs=flops / t_c / 1e12 if flops else None, max_rel_diff=err))
 
     x, r, w = rnd(T, H), rnd(T, H), rnd(H)
     row(f"rms_norm+residual T={T} H={H}", lambda: CUDA.rms_norm(x, w, 1e-5, r), lambda: TORCH.rms_norm(x, w, 1e-5, r),
@@ -249,21 +441,24 @@ def section_primitives(out):
     pos = torch.randint(0, 4096, (T,), device=DEV)
     cs = rnd(4096, D, dtype=torch.float32)
     row(f"rotary neox T={T}", lambda: CUDA.rotary(q, k, pos, cs, True), lambda: TORCH.rotary(q, k, pos, cs, True),
-        nbytes=2 * (q.numel() + k.numel()) * 2 + T * D * 4)
+        nbytes=2 * (q.numel() + k.numel()) * 2 + T * D * 4,  # (it may work in place: compare on fresh copies)
+        check=lambda: (CUDA.rotary(q.clone(), k.clone(), pos, cs, True), TORCH.rotary(q.clone(), k.clone(), pos, cs, True)))
     gu = rnd(T // 4, 2 * I)
     row(f"act_and_mul silu T={T // 4} I={I}", lambda: CUDA.act_and_mul(gu, "silu"), lambda: TORCH.act_and_mul(gu, "silu"),
         nbytes=3 * (T // 4) * I * 2)
     kk, vv = rnd(T, S.kv_heads, D), rnd(T, S.kv_heads, D)
     cache = CUDA.allocate_kv_cache(T // S.block_size + 1, S.block_size, S.kv_heads, D, "bfloat16")
     slots = torch.randperm(T, device=DEV)
-    row(f"kv_write T={T}", lambda: CUDA.kv_write(kk, vv, cache, slots), lambda: TORCH.kv_write(kk, vv, cache, slots),
-        nbytes=4 * kk.numel() * 2)
+    ref_cache = torch.zeros_like(cache)
+    row(f"kv_write T={T}", lambda: CUDA.kv_write(kk, vv, cache, slots), lambda: TORCH.kv_write(kk, vv, ref_cache, slots),
+        nbytes=4 * kk.numel() * 2, tol=0.0, check=lambda: (cache, ref_cache))
     for t in S.moe_tokens:
         xm, logits = rnd(t, H), rnd(t, S.experts)
         w13, w2 = rnd(S.experts, 2 * I, H, scale=H**-0.5), rnd(S.experts, H, I, scale=I**-0.5)
         flops = 2 * t * S.top_k * 3 * H * I
         row(f"moe E={S.experts} top{S.top_k} T={t}", lambda: CUDA.moe(xm, logits, w13, w2, S.top_k, True),
-            lambda: TORCH.moe(xm, logits, w13, w2, S.top_k, True), nbytes=(w13.numel() + w2.numel()) * 2, flops=flops)
+            lambda: TORCH.moe(xm, logits, w13, w2, S.top_k, True), nbytes=(w13.numel() + w2.numel()) * 2, flops=flops,
+            tol=3e-2)
     # quantized linear (Q4_1-style int4 with offsets), a down_proj of the model: the weight is read once
     from infer.primitives.types import Int4GroupWeight
 
@@ -284,11 +479,13 @@ def section_primitives(out):
     row(f"attention prefill {n}x{L}", lambda: CUDA.attention(qp, cache, mc, D**-0.5), lambda: TORCH.attention(qp, cache, mt, D**-0.5),
         flops=4 * n * S.heads * D * L * (L + 1) / 2)
     out["rows"] = rows
+    chk.done()
 
 
 # -- 4. attention decode targets ----------------------------------------------------------
 def section_attention(out):
     D = S.head_dim
+    chk = Checks(out)
     for (b, c), label, kv in ((S.decode, "decode", "bfloat16"), (S.long_decode, "long decode", "bfloat16"),
                               (S.decode, "decode fp8", "fp8"), (S.long_decode, "long decode fp8", "fp8")):
         meta = _decode_meta(b, c)
@@ -310,6 +507,8 @@ def section_attention(out):
         t_auto = timed(lambda: run(splits))
         t_one = timed(lambda: run(1))
         diff = (run(splits).float() - run(1).float()).abs().max().item()
+        chk(f"{label} B={b} ctx={c} against torch", run(splits),
+            TORCH.attention(q, cache, Ops(TORCH).prepare_metadata(meta), D**-0.5, kv_scales=scales), 2e-2)
         share = nbytes / t_auto / 1e9 / PEAK["copy_GBps"] if PEAK["copy_GBps"] else float("nan")
         print(f"  {label} B={b} ctx={c}: {splits} split(s) {rate(t_auto, nbytes)}; one pass {t_one * 1e3:.3f} ms; "
               f"max |diff| {diff:.1e}")
@@ -322,9 +521,72 @@ def section_attention(out):
         print(f"  target: decode B=64 ctx=2048 >= 70% of copy bandwidth: {share:.0%} -> {'MET' if share >= 0.7 else 'MISSED'}")
         ratio = out["decode fp8"]["ms"] / out["decode"]["ms"]
         print(f"  fp8 KV: decode B=64 ctx=2048 in {ratio:.2f}x the time of bf16")
+    chk.done()
 
 
-# -- 5. end to end --------------------------------------------------------------------------
+# -- 5. compiles over a growing context -------------------------------------------------------
+def _compiled_variants() -> int | None:
+    """Kernel variants the attention kernels hold compiled (None under the interpreter)."""
+    from infer.backends.cuda import attention as cuda_attention
+
+    total = 0
+    for kernel in (cuda_attention._paged_attention_kernel, cuda_attention._combine_splits_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+def section_compiles(out):
+    """Eager decode as a server runs it without graphs: one request's context grows a token per
+    step, then batches of many sizes. Each new specialisation of a kernel is a compile (~1 s
+    cold on a GPU) stalling that step; count them and the slow steps."""
+    D, hk, hq, bs = S.head_dim, S.kv_heads, S.heads, S.block_size
+    top = S.stall_context
+    per = -(-top // bs)
+    batch_max = max(S.stall_batches)
+    cache = CUDA.allocate_kv_cache(batch_max * per, bs, hk, D, "bfloat16").normal_()
+    table = np.random.default_rng(6).permutation(batch_max * per).astype(np.int32).reshape(batch_max, per)
+    q = rnd(batch_max, hq, D)
+
+    def step(b: int, c: int) -> float:
+        pos = c - 1
+        meta = AttentionMetadata(np.arange(b + 1, dtype=np.int32), np.full(b, c, np.int32), table[:b, : -(-c // bs)],
+                                 table[:b, pos // bs].astype(np.int64) * bs + pos % bs, 1, c, bs)
+        start = time.perf_counter()
+        CUDA.attention(q[:b], cache, CUDA.prepare_metadata(meta), D**-0.5)
+        sync()
+        return time.perf_counter() - start
+
+    before = _compiled_variants()
+    step(1, 1)  # the first variant is not a stall of the growing context
+    base = _compiled_variants()
+    start = time.perf_counter()
+    times = np.array([step(1, c) for c in range(2, top + 1)])
+    single = time.perf_counter() - start
+    after_single = _compiled_variants()
+    batch_times = np.array([step(b, c) for b in S.stall_batches for c in (top // 4, top // 2, top)])
+    after = _compiled_variants()
+    stall = max(0.05, 20 * float(np.median(times)))  # a step this much slower than usual compiled something
+    stalls = int((times > stall).sum()) + int((batch_times > stall).sum())
+    new = None if base is None else dict(single=after_single - base, batches=after - after_single,
+                                         before_check=base - before)
+    print(f"  one request, context 2..{top}: {single:.1f} s for {top - 1} steps (median "
+          f"{np.median(times) * 1e3:.2f} ms, worst {times.max() * 1e3:.0f} ms); batches {list(S.stall_batches)} at "
+          f"3 contexts: worst {batch_times.max() * 1e3:.0f} ms")
+    print(f"  kernel variants compiled: {new if new is not None else 'n/a (interpreter)'}; steps over "
+          f"{stall * 1e3:.0f} ms: {stalls}")
+    out.update(context=top, seconds_single=single, median_ms=float(np.median(times)) * 1e3,
+               worst_ms=float(times.max()) * 1e3, worst_batch_ms=float(batch_times.max()) * 1e3, compiled=new,
+               stall_steps=stalls)
+    if new is not None:
+        total = new["single"] + new["batches"]
+        print(f"  target: <= 4 compiles over the growing context and the batches: {total} -> "
+              f"{'MET' if total <= 4 else 'MISSED'}")
+
+
+# -- 6. end to end --------------------------------------------------------------------------
 class RandomWeightsRunner(ModelRunner):
     """A ModelRunner whose parameters are drawn on the device (no checkpoint, no host copy)."""
 
@@ -394,6 +656,63 @@ def section_e2e(out):
     if not SMOKE_MODE:
         share = out["decode_b1"]["roofline_share"]
         print(f"  target: batch-1 decode >= 80% of the HBM roofline: {share:.0%} -> {'MET' if share >= 0.8 else 'MISSED'}")
+
+
+# -- 7. memory: gpu_memory_utilization sizing with every graph captured -------------------------
+def section_memory(out):
+    """The engine as `infer serve` sizes it on a GPU: KV pool from gpu_memory_utilization=0.9
+    after profiling, then decode graphs for every batch size up to max_num_seqs. The captured
+    graphs' memory comes after the sizing, so this is where a too-tight budget shows."""
+    import tempfile
+
+    from infer.core.config import graph_batch_sizes
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+
+    seqs = S.memory_seqs
+    with tempfile.TemporaryDirectory() as path:
+        vocab = _random_checkpoint("llama", path)
+        if DEV.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            free0, total = torch.cuda.mem_get_info()
+        start = time.perf_counter()
+        extra = {} if DEV.startswith("cuda") else dict(kv_cache_memory=64 << 20)  # smoke: no device memory to size by
+        llm = LLM(path, backend="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=seqs,
+                  max_model_len=2048, gpu_memory_utilization=0.9, show_progress=False, **extra)
+        startup = time.perf_counter() - start
+        engine = llm.engine
+        want = graph_batch_sizes(seqs)
+        got = sorted(engine.decode_graphs.graphs) if engine.decode_graphs is not None else []
+        blocks = engine.cache_config.num_blocks
+        print(f"  startup {startup:.1f} s: {blocks:,} KV blocks of {engine.cache_config.block_size} tokens; "
+              f"graphs captured for {len(got)} of {len(want)} batch sizes")
+        out.update(startup_s=startup, kv_blocks=blocks, graphs_captured=len(got), graphs_wanted=len(want))
+        rng = np.random.default_rng(8)
+        new = 32 if not SMOKE_MODE else 2
+        prompts = [{"prompt_token_ids": rng.integers(3, vocab, int(n)).tolist()}
+                   for n in rng.integers(16, 256 if not SMOKE_MODE else 20, seqs)]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True), use_tqdm=False)
+        sync()
+        seconds = time.perf_counter() - start
+        done = sum(len(o.outputs[0].token_ids) == new for o in outs)
+        print(f"  {seqs} requests x {new} tokens: {done} complete in {seconds:.2f} s ({seqs * new / seconds:,.0f} tok/s)")
+        out.update(requests_complete=done, tokens_per_s=seqs * new / seconds)
+        if DEV.startswith("cuda"):
+            peak = torch.cuda.max_memory_reserved()
+            used = total - torch.cuda.mem_get_info()[0]
+            print(f"  device {total / 2**30:.1f} GiB, {(total - free0) / 2**30:.2f} GiB in use before; peak reserved "
+                  f"{peak / 2**30:.2f} GiB = {peak / total:.1%}, in use after {used / total:.1%} (budget 90%)")
+            out.update(peak_reserved_share=peak / total, in_use_share=used / total)
+            if used / total > 0.93:
+                raise AssertionError(f"the engine uses {used / total:.1%} of the device against a 90% budget")
+        del llm, engine
+        gc.collect()
+    if got != list(want) and DEV.startswith("cuda"):
+        raise AssertionError(f"decode graphs captured for {got}, wanted every size of {list(want)}")
+    if done != seqs:
+        raise AssertionError(f"{seqs - done} of {seqs} requests did not complete")
 
 
 def _random_checkpoint(kind: str, path: str) -> int:
@@ -497,10 +816,22 @@ def section_engine(out):
             raise AssertionError(f"{kind}: expert counts differ between replays and eager padded steps")
 
 
-# -- 7. tile sweep (opt-in: --tune) ---------------------------------------------------------
-def _sweep(label, run, default, configs):
+# -- 10. tile sweep (opt-in: --tune) ---------------------------------------------------------
+def _compiled_kernels(kernels) -> set:
+    """The compiled variants the Triton kernels hold now (empty under the interpreter)."""
+    held = set()
+    for kernel in kernels:
+        for entry in getattr(kernel, "device_caches", {}).values():
+            held.update(entry[0].values())
+    return held
+
+
+def _sweep(label, run, default, configs, kernels=()):
     """Time `run(config)` for the default and each alternative; an alternative that
-    fails to build (shared memory, registers) or changes the result is skipped."""
+    fails to build (shared memory), spills registers (in a variant of `kernels` that
+    it compiled) or changes the result is skipped."""
+    from infer.backends.cuda import tuned
+
     ref = run(default).float()
     scale = ref.abs().max().clamp_min(1e-6)
     t_default = timed(lambda: run(default))
@@ -509,10 +840,15 @@ def _sweep(label, run, default, configs):
         if out_of_time(margin=10.0):  # keep the time to print and write what was found
             tried.append(dict(config=cfg, error="not tried: past --deadline"))
             continue
+        held = _compiled_kernels(kernels)
         try:
             diff = ((run(cfg).float() - ref).abs().max() / scale).item()
         except Exception as exc:  # noqa: BLE001  (a config the compiler rejects)
             tried.append(dict(config=cfg, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
+            continue
+        spilling = [k for k in _compiled_kernels(kernels) - held if tuned.spills(k)]
+        if spilling:
+            tried.append(dict(config=cfg, error=f"spills registers ({tuned.registers(spilling[0])})"))
             continue
         if diff > 2e-2:
             tried.append(dict(config=cfg, error=f"result off by {diff:.1e} of max"))
@@ -535,6 +871,7 @@ def section_tune(out):
     import itertools
 
     from infer.backends.cuda import quant_linear
+    from infer.backends.cuda import attention as cuda_attention
     from infer.backends.cuda.attention import launch_config
     from infer.backends.cuda.launch import next_pow2
     from infer.primitives.types import Int4GroupWeight
@@ -564,7 +901,7 @@ def section_tune(out):
         configs = [cfg for cfg in [guess, *grid(rows, (32, 64, 128), (4, 8), (2, 3))] if cfg != default]
         configs = [cfg for i, cfg in enumerate(configs) if cfg not in configs[:i]]
         out[label] = _sweep(f"{label} {b}x{c}", lambda cfg: paged_attention(q, cache, m, D**-0.5, config=cfg),
-                            default, configs)
+                            default, configs, kernels=(cuda_attention._paged_attention_kernel,))
     H, I = S.hidden, S.inter
     w = Int4GroupWeight(torch.randint(0, 256, (H, I // 2), dtype=torch.uint8, device=DEV),
                         rnd(H, I // 32, dtype=torch.float32, scale=0.01), rnd(H, I // 32, dtype=torch.float32, scale=0.01),
@@ -575,7 +912,8 @@ def section_tune(out):
         default = quant_linear.tiles(t, DT, dev)
         configs = trim([cfg for cfg in dict.fromkeys([quant_linear.tiles(t, DT), *space]) if cfg != default])
         out[f"int4 linear T={t}"] = _sweep(f"int4 linear g32 T={t} N={H} K={I}",
-                                           lambda cfg: quant_linear.linear(x, w, cfg), default, configs)
+                                           lambda cfg: quant_linear.linear(x, w, cfg), default, configs,
+                                           kernels=(quant_linear._quant_linear_kernel,))
     best = {k: v["best"] for k, v in out.items()}
     print("  best: " + json.dumps(best, default=str))
     if ARGS.write_config:
@@ -589,9 +927,12 @@ _CONFIG_KEYS = {"attention decode": ("attention", "decode"), "attention long dec
 
 def _write_config(tune_out: dict, folder: str) -> None:
     from infer.backends.cuda import tuned
+    from infer.backends.cuda.launch import next_pow2
 
     name = tuned.device_name(DEV)
-    data: dict = {"attention": {"head_dim": S.head_dim}, "quant_linear": {}, "measured": {
+    # The attention tiles were measured at this head size and this many query heads per KV head.
+    group_pad = next_pow2(S.heads // S.kv_heads)
+    data: dict = {"attention": {"head_dim": S.head_dim, "group_pad": group_pad}, "quant_linear": {}, "measured": {
         "device": name, "torch": torch.__version__, "triton": __import__("triton").__version__,
         "date": time.strftime("%Y-%m-%d"), "mode": RESULTS["mode"], "ms": {}}}
     for label, res in tune_out.items():
@@ -610,14 +951,17 @@ def _write_config(tune_out: dict, folder: str) -> None:
     print(f"  tuned config written: {path}")
 
 
-# In order of what a short device session needs most: yardsticks, correctness, the two targets,
-# the engine, per-primitive timings, tuning.
-SECTIONS = {"peaks": section_peaks, "conformance": section_conformance, "attention": section_attention,
-            "e2e": section_e2e, "engine": section_engine, "primitives": section_primitives, "tune": section_tune}
+# In order of what a short device session needs most: yardsticks, correctness at real sizes,
+# the conformance suite, the targets, compile stalls, the engine, per-primitive timings, tuning.
+SECTIONS = {"peaks": section_peaks, "references": section_references, "conformance": section_conformance,
+            "attention": section_attention, "compiles": section_compiles, "e2e": section_e2e,
+            "memory": section_memory, "engine": section_engine, "primitives": section_primitives,
+            "tune": section_tune}
 # Seconds a section may take on an H100/H200, kernel compiles included (guesses, generous): with
 # --deadline, a section starts only if that much time is left. tune's sweeps stop by themselves.
-SECTION_SECONDS = {"peaks": 15, "conformance": 150, "attention": 45, "e2e": 120, "engine": 180, "primitives": 90,
-                   "tune": 30}
+assert tuple(SECTIONS) == SECTION_NAMES
+SECTION_SECONDS = {"peaks": 15, "references": 90, "conformance": 150, "attention": 45, "compiles": 90, "e2e": 120,
+                   "memory": 120, "engine": 180, "primitives": 90, "tune": 30}
 
 
 def out_of_time(margin: float = 0.0) -> bool:

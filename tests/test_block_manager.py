@@ -284,6 +284,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for rid in self.live:
             table = self.bm.get_block_ids(rid)
             assert len(table) == len(set(table)), "a block twice in one table"
+            row = self.bm.block_table_row(rid)
+            assert row.dtype == np.int32 and row.tolist() == table, "the int32 row the step copies lags the table"
             for b in table:
                 holders.setdefault(b, []).append(rid)
         for block in self.bm.blocks:

@@ -12,7 +12,10 @@ ptxas. Run in a subprocess: the stand-in driver and the hook are process-wide.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,18 +25,42 @@ HERE = Path(__file__).parent
 SHARED_LIMIT = {90: 232448, 80: 166912}
 
 
-def test_every_kernel_variant_compiles_for_sm90_and_sm80_within_shared_memory():
+def _child(function: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", "import test_cuda_compile as t; t.compile_all()"], cwd=HERE, env=env,
+    res = subprocess.run([sys.executable, "-c", f"import test_cuda_compile as t; t.{function}()"], cwd=HERE, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
-    compiled = [line for line in res.stdout.splitlines() if line.startswith("compiled ")]
+    return res.stdout
+
+
+def test_every_kernel_variant_compiles_for_sm90_and_sm80_within_shared_memory():
+    res_stdout = _child("compile_all")
+    compiled = [line for line in res_stdout.splitlines() if line.startswith("compiled ")]
     kernels = {line.split()[1] for line in compiled}
     assert kernels == {"_paged_attention_kernel", "_combine_splits_kernel", "_kv_write_kernel", "_rms_norm_kernel",
                        "_rotary_kernel", "_act_and_mul_kernel", "_gating_kernel", "_grouped_gemm_kernel",
-                       "_quant_linear_kernel", "_token_bitmask_kernel"}, res.stdout
+                       "_quant_linear_kernel", "_token_bitmask_kernel"}, res_stdout
+
+
+def test_quantized_linear_reads_codes_with_wide_loads_and_each_group_scale_once():
+    """A decode GEMV streams the weight: its codes must come in wide loads (an int4 byte
+    read alone, or twice, once per nibble, halves what the memory system can deliver) and
+    each group's scale (and offset) once per group, not once per code. On sm_90, for each
+    int4/int8 variant: no 8-bit global loads, and the loads of 4 bytes or less, which is
+    where scales land, number at most one per thread per group tile per pipeline stage."""
+    variants = [json.loads(line) for line in _child("quant_linear_loads").splitlines() if line.startswith("{")]
+    assert {(v["kind"], v["x"], v["block_t"] > 16) for v in variants} >= \
+        {(k, x, p) for k in (0, 1) for x in ("bf16", "fp16") for p in (False, True)}
+    for v in variants:
+        threads = 32 * v["num_warps"]
+        groups = v["block_n"] * max(1, v["block_k"] // v["group"])  # scales per tile
+        budget = v["num_stages"] * (2 if v["kind"] == 0 else 1) * math.ceil(groups / threads)
+        budget += math.ceil(v["block_n"] / threads) if v["bias"] else 0
+        assert v["byte_loads"] == 0, v
+        assert v["loads_by_width"].get("16", 0) + v["loads_by_width"].get("8", 0) > 0, v  # codes and x: wide
+        assert sum(n for w, n in v["loads_by_width"].items() if int(w) <= 4) <= budget, v
 
 
 # -- run in the child ---------------------------------------------------------------------
@@ -130,6 +157,54 @@ def _launch_every_variant():
         h = torch.zeros(128, 128, dtype=dtype)
         moe._gemm(h, x, w13, pairs, experts, None, 128, 128, 2, True, block_m)
         moe._gemm(torch.zeros(128, 256), h, w2, pairs, experts, torch.zeros(128), 128, 256, 1, False, block_m)
+
+
+def _global_loads(ptx: str) -> tuple[int, dict[str, int]]:
+    """(8-bit-element `ld.global`s, every global load and async copy counted by bytes per thread)."""
+    widths: dict[str, int] = {}
+    byte_loads = 0
+    for op in re.findall(r"\bld\.global[\w.:]*", ptx):
+        vec = re.search(r"\.v(\d)\b", op)
+        bits = int(re.search(r"\.[bfsu](8|16|32|64|128)\b", op).group(1))
+        byte_loads += bits == 8
+        width = str((int(vec.group(1)) if vec else 1) * bits // 8)
+        widths[width] = widths.get(width, 0) + 1
+    copy = r"\bcp\.async\.c[ag]\.shared\.global[\w.:]*\s+\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-f]+|\d+)"
+    for size in re.findall(copy, ptx):
+        width = str(int(size, 0))
+        widths[width] = widths.get(width, 0) + 1
+    return byte_loads, widths
+
+
+def quant_linear_loads():
+    """Print, per int4/int8 quantized-linear variant compiled for sm_90, its global loads."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    specs = _record_launches()
+    from infer.backends.cuda import quant_linear
+    from infer.primitives.types import Int4GroupWeight, Int8GroupWeight
+
+    n, k = 256, 512
+    codes = torch.zeros(n, k // 2, dtype=torch.uint8)
+    for w in (Int4GroupWeight(codes, torch.zeros(n, k // 32), torch.zeros(n, k // 32), 32),
+              Int4GroupWeight(codes, torch.zeros(n, k // 128), torch.zeros(n, k // 128), 128),  # AWQ/GPTQ's usual group
+              Int8GroupWeight(torch.zeros(n, k, dtype=torch.int8), torch.zeros(n, k // 32), 32, bias=torch.zeros(n))):
+        for dtype in (torch.bfloat16, torch.float16):
+            for t in (1, 64):  # decode and prefill tiles
+                quant_linear.linear(torch.zeros(t, k, dtype=dtype), w)
+    for fn, c in specs.values():
+        const = {fn.arg_names[i[0]]: v for i, v in c["constants"].items()}
+        src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+        byte_loads, widths = _global_loads(kernel.asm["ptx"])
+        print(json.dumps({"kind": const["KIND"], "group": const["GROUP"], "x": c["signature"]["x_ptr"].lstrip("*"),
+                          "block_t": const["BLOCK_T"], "block_n": const["BLOCK_N"], "block_k": const["BLOCK_K"],
+                          "bias": const["HAS_BIAS"], "num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                          "byte_loads": byte_loads, "loads_by_width": widths}))
 
 
 def compile_all():

@@ -123,9 +123,14 @@ def test_gpu_check_script_runs_every_section_on_toy_shapes(tmp_path):
     # The tune section's best tiles, as the file the kernels would look up on that device ("cpu" here).
     written = json.loads((tmp_path / "cpu.json").read_text())
     tuned.validate(written, "gpu_check's file")
-    assert set(written["attention"]) == {"head_dim", "decode", "decode_split", "prefill"}
+    assert set(written["attention"]) == {"head_dim", "group_pad", "decode", "decode_split", "prefill"}
     assert set(written["quant_linear"]) == {"decode", "prefill"}
-    for line in ("[primitives]", "[attention]", "decode fp8 B=3", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3",
+    # Every result at the sizes it runs is compared with the torch backend's.
+    assert "FAIL" not in out and out.count("ok   ") >= 30, out
+    for line in ("[references]", "fp8 pool of 48 blocks", "codes differ", "mixed step", "head 32, window 24",
+                 "float32 attention", "linear fp8 per-row", "moe 8 experts top-3", "[compiles]", "[memory]",
+                 "requests x 2 tokens: 4 complete", "decode fp8 B=3 ctx=40 against torch",
+                 "[primitives]", "[attention]", "decode fp8 B=3", "[e2e]", "CUDA graphs: not taken (cpu)", "decode B=3",
                  "[engine]", "llama graphs:", "llama fp8 graphs:", "mixtral graphs:", "[tune]", "int4 linear g32 T=40",
                  "best: {"):
         assert line in out, out
@@ -318,6 +323,9 @@ def check_tuned_config_file():
         assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu, 64) == cfg["attention"]["decode"]
         assert attention.launch_config(torch.bfloat16, 1, 4, True, cpu, 64) == builtin[1]  # no decode_split entry
         assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu, 128) == builtin[1]  # measured at 64 only
+        # No group_pad: measured at gpu_check's 32 query / 8 KV heads (4 per KV head) only.
+        assert attention.launch_config(torch.bfloat16, 1, 16, False, cpu, 64) == \
+            attention.launch_config(torch.bfloat16, 1, 16)
         assert attention.launch_config(torch.float32, 7, 4, False, cpu, 64) == \
             attention.launch_config(torch.float32, 7, 4)
         assert quant_linear.tiles(40, torch.float16, cpu) == (32, 16, 32, 8)
@@ -331,6 +339,17 @@ def check_tuned_config_file():
             assert [(k["TILE"], k["num_warps"], k["num_stages"]) for k in launches] == \
                 [(want["tile_n"], want["num_warps"], want["num_stages"])], launches
             assert launches[0]["BLOCK_Q"] == max(1, want["rows"] // 4)  # hq 8 / hk 2: GROUP_PAD 4
+        # A list of entries, one per (head_dim, group_pad): each applies at its own shape only.
+        wide = {"rows": 16, "tile_n": 32, "num_warps": 8, "num_stages": 2}
+        with open(path := os.path.join(d, "shapes.json"), "w") as f:
+            json.dump({"attention": [cfg["attention"], {"head_dim": 64, "group_pad": 16, "decode": wide}]}, f)
+        os.environ[tuned.ENV] = path
+        assert attention.launch_config(torch.bfloat16, 1, 16, False, cpu, 64) == wide
+        assert attention.launch_config(torch.bfloat16, 1, 4, False, cpu, 64) == cfg["attention"]["decode"]
+        assert attention.launch_config(torch.bfloat16, 1, 8, False, cpu, 64) == builtin[1]
+        assert attention.launch_config(torch.bfloat16, 5, 16, False, cpu, 64) == \
+            attention.launch_config(torch.bfloat16, 5, 16)  # no prefill entry at 16
+        os.environ[tuned.ENV] = os.path.join(d, "tuned.json")
         w = Int4GroupWeight(torch.randint(0, 256, (48, 32), dtype=torch.uint8), torch.rand(48, 2) * 0.1,
                             torch.randn(48, 2) * 0.1, 32)
         for t, tile in ((3, cfg["quant_linear"]["decode"]), (20, cfg["quant_linear"]["prefill"])):
@@ -349,7 +368,10 @@ def check_tuned_config_file():
                 ({"attention": {"decode": decode}}, "attention.head_dim"),
                 ({"quant_linear": {"decode": [8, 64, 64, 4]}}, "16..512"),
                 ({"attention": {"head_dim": 64, "decode": {**decode, "num_warps": 64}}}, "up to 32"),
-                ({"attention": []}, "must be an object"), ("{not json", "not JSON"))):
+                ({"attention": []}, "must be an object"), ("{not json", "not JSON"),
+                ({"attention": {"head_dim": 64, "group_pad": 6, "decode": decode}}, "group_pad"),
+                ({"attention": [{"head_dim": 64, "decode": decode}, {"head_dim": 64, "group_pad": 4}]},
+                 r"attention\[1\]: a second entry"))):
             bad_path = os.path.join(d, f"bad{i}.json")  # each file is parsed once, by path
             with open(bad_path, "w") as f:
                 f.write(bad if isinstance(bad, str) else json.dumps(bad))
@@ -385,6 +407,15 @@ def check_split_kv():
                 got = _run_attention(backend, x, dtype, splits)
                 np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{kw} {dtype} splits={splits}")
                 np.testing.assert_allclose(got, one, atol=tol, rtol=tol)
+    # A mixed step at the default count (4, as if a GPU had picked it): the one-query requests
+    # split, each split at least MIN_SPLIT_TOKENS (64 here: two fp32 tiles), so the 70- and
+    # 1-token ones leave splits empty (no output row written, none read by the combine); the
+    # 4-query request does not split and writes its rows itself.
+    attention.default_num_splits = lambda *a: 4
+    attention.MIN_SPLIT_TOKENS = 64
+    x = _attention_case(reqs=[(1, 150), (4, 90), (1, 70), (1, 1)], hq=4, hk=1, d=32)
+    np.testing.assert_allclose(_run_attention(backend, x, "float32", None), _reference_attention(x), atol=1e-5,
+                               rtol=1e-5)
 
 
 def check_padding_requests():

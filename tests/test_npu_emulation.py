@@ -42,27 +42,82 @@ def test_installed_provides_torch_npu_and_torch_npu_namespace_then_removes_them(
 
 
 # -- kv cache write ------------------------------------------------------------
-def test_scatter_pa_kv_cache_matches_cpu_ref_kv_write():
+def test_scatter_pa_kv_cache_norm_matches_cpu_ref_kv_write():
     rng = np.random.default_rng(0)
     nb, bs, hk, d, t = 3, 128, 2, 64, 10
     slots = rng.choice(nb * bs, t, replace=False)
+    slots[[2, 7]] = -1  # padded rows: skipped by "Norm" as by cpu_ref
     k_np, k = rounded(rng, (t, hk, d), torch.float16)
     v_np, v = rounded(rng, (t, hk, d), torch.float16)
     cache = torch.zeros(2, nb, bs, hk, d, dtype=torch.float16)
-    A.npu_scatter_pa_kv_cache(k, v, cache[0], cache[1], torch.from_numpy(slots).int())
+    A.npu_scatter_pa_kv_cache(k, v, cache[0], cache[1], torch.from_numpy(slots).int(), cache_mode="Norm")
     ref = np.zeros((2, nb, bs, hk, d), np.float32)
     ref_attention.kv_write(k_np, v_np, ref, slots)
     np.testing.assert_array_equal(cache.float().numpy(), ref)
 
 
-def test_scatter_pa_kv_cache_rejects_padding_slots_and_strided_keys():
+def test_scatter_pa_kv_cache_norm_skips_minus_one_slots_as_in_vllm_ascend():
+    """vllm-ascend's op test (test_pa_kv_cache_ops.py): slots [0, -1, 3], block_size 4, 2 blocks, head_dim 8."""
+    torch.manual_seed(20260709)
+    key = torch.arange(3 * 8, dtype=torch.float16).view(3, 1, 8)
+    value = key + 100
+    key_cache = torch.randn(2, 4, 1, 8, dtype=torch.float16)
+    value_cache = torch.randn_like(key_cache)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    want_k[0, 0], want_k[0, 3] = key[0], key[2]
+    want_v[0, 0], want_v[0, 3] = value[0], value[2]
+    A.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, torch.tensor([0, -1, 3], dtype=torch.int32),
+                              cache_mode="Norm")
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+    before = key_cache.clone()
+    A.npu_scatter_pa_kv_cache(key[:2], value[:2], key_cache, value_cache, torch.tensor([-1, -1], dtype=torch.int32),
+                              cache_mode="Norm")
+    assert torch.equal(key_cache, before)
+
+
+def test_scatter_pa_kv_cache_default_pa_nz_mode_rejects_an_nd_cache():
+    """torch_npu's default cache_mode is "PA_NZ": the call without cache_mode, on ND caches, must fail."""
+    cache = torch.zeros(2, 2, 128, 2, 64, dtype=torch.float16)
+    k = torch.ones(3, 2, 64, dtype=torch.float16)
+    with pytest.raises(NpuOpError, match="cache_mode='Norm'"):
+        A.npu_scatter_pa_kv_cache(k, k, cache[0], cache[1], torch.tensor([0, 5, 9]))
+
+
+def test_scatter_pa_kv_cache_pa_nz_writes_the_nz_layout_as_op_plugins_golden():
+    """op-plugin's test_scatter_pa_kv_cache.py golden: [blocks, N*D/16, block_size, 16] caches, 16 of 64 slots."""
+    rng = np.random.default_rng(3)
+    bs_tokens, heads, dk, dv, nb, last, block = 16, 4, 32, 64, 2, 16, 32
+    key = torch.from_numpy(rng.standard_normal((bs_tokens, heads, dk)).astype(np.float16))
+    value = torch.from_numpy(rng.standard_normal((bs_tokens, heads, dv)).astype(np.float16))
+    key_cache = torch.from_numpy(rng.standard_normal((nb, heads * dk // last, block, last)).astype(np.float16))
+    value_cache = torch.zeros(nb, heads * dv // last, block, last, dtype=torch.float16)
+    slots = rng.choice(nb * block, bs_tokens, replace=False).astype(np.int32)
+    want_k, want_v = key_cache.clone(), value_cache.clone()
+    for i, s in enumerate(slots.tolist()):
+        for j in range(heads * dk // last):
+            want_k[s // block, j, s % block] = key[i].reshape(-1)[j * last:(j + 1) * last]
+        for j in range(heads * dv // last):
+            want_v[s // block, j, s % block] = value[i].reshape(-1)[j * last:(j + 1) * last]
+    A.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, torch.from_numpy(slots))
+    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
+    with pytest.raises(NpuOpError, match=r"\[0, 63\]"):  # PA_NZ documents no -1 padding
+        A.npu_scatter_pa_kv_cache(key[:2], value[:2], key_cache, value_cache, torch.tensor([0, -1]))
+
+
+def test_scatter_pa_kv_cache_rejects_float32_strided_and_out_of_range_slots():
     cache = torch.zeros(2, 1, 128, 2, 16, dtype=torch.float16)
     k = torch.ones(2, 2, 16, dtype=torch.float16)
-    with pytest.raises(NpuOpError, match=r"\[0, 127\]"):
-        A.npu_scatter_pa_kv_cache(k, k, cache[0], cache[1], torch.tensor([0, -1]))
+    with pytest.raises(NpuOpError, match="float16/bfloat16/int8"):  # aclnnScatterPaKvCache on A2/A3
+        A.npu_scatter_pa_kv_cache(k.float(), k.float(), cache[0].float(), cache[1].float(), torch.tensor([0, 1]),
+                                  cache_mode="Norm")
+    for bad in ([0, 128], [0, -2]):
+        with pytest.raises(NpuOpError, match=r"\[0, 127\]"):
+            A.npu_scatter_pa_kv_cache(k, k, cache[0], cache[1], torch.tensor(bad), cache_mode="Norm")
+    with pytest.raises(NpuOpError, match="unique"):
+        A.npu_scatter_pa_kv_cache(k, k, cache[0], cache[1], torch.tensor([4, 4]), cache_mode="Norm")
     strided = torch.ones(2, 16, 2, dtype=torch.float16).transpose(1, 2)
     with pytest.raises(NpuOpError, match="contiguous"):
-        A.npu_scatter_pa_kv_cache(strided, strided, cache[0], cache[1], torch.tensor([0, 1]))
+        A.npu_scatter_pa_kv_cache(strided, strided, cache[0], cache[1], torch.tensor([0, 1]), cache_mode="Norm")
 
 
 # -- fused attention -----------------------------------------------------------
@@ -86,10 +141,10 @@ def _paged_case(rng, dtype, reqs, hq, hk, d, bs=128):
 def test_fused_infer_attention_tnd_paged_causal_matches_cpu_ref(dtype, hq, hk):
     rng = np.random.default_rng(hq * 10 + hk)
     reqs = [(5, 300), (1, 129), (17, 17), (1, 1), (40, 200)]
-    kv_np, kv, q_np, q, meta = _paged_case(rng, dtype, reqs, hq, hk, 64)
+    kv_np, kv, q_np, q, meta = _paged_case(rng, dtype, reqs, hq, hk, 128)
     nb = kv.shape[1]
     out, lse = A.npu_fused_infer_attention_score(
-        q, kv[0].reshape(nb, 128, hk * 64), kv[1].reshape(nb, 128, hk * 64),
+        q, kv[0].reshape(nb, 128, hk * 128), kv[1].reshape(nb, 128, hk * 128),
         atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1), block_table=torch.from_numpy(meta.block_table),
         actual_seq_lengths=meta.query_start_loc[1:].tolist(), actual_seq_lengths_kv=meta.seq_lens.tolist(),
         num_heads=hq, num_key_value_heads=hk, scale=0.125, input_layout="TND", sparse_mode=3, block_size=128)
@@ -99,11 +154,11 @@ def test_fused_infer_attention_tnd_paged_causal_matches_cpu_ref(dtype, hq, hk):
 
 def test_fused_infer_attention_enforces_documented_limits():
     rng = np.random.default_rng(0)
-    _, kv, _, q, meta = _paged_case(rng, torch.float16, [(3, 10)], 2, 2, 64)
+    _, kv, _, q, meta = _paged_case(rng, torch.float16, [(3, 10)], 2, 2, 128)
     args = dict(atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1), block_table=torch.from_numpy(meta.block_table),
                 actual_seq_lengths=[3], actual_seq_lengths_kv=[10], num_heads=2, num_key_value_heads=2, scale=1.0,
                 input_layout="TND", sparse_mode=3, block_size=128)
-    key = kv[0].reshape(kv.shape[1], 128, 128)
+    key = kv[0].reshape(kv.shape[1], 128, 256)
     with pytest.raises(NpuOpError, match="float16/bfloat16"):
         A.npu_fused_infer_attention_score(q.float(), key.float(), key.float(), **args)
     with pytest.raises(NpuOpError, match="block_size"):
@@ -112,6 +167,49 @@ def test_fused_infer_attention_enforces_documented_limits():
         A.npu_fused_infer_attention_score(q, key, key, **{**args, "atten_mask": torch.ones(16, 16, dtype=torch.bool)})
     with pytest.raises(NpuOpError, match="int32"):
         A.npu_fused_infer_attention_score(q, key, key, **{**args, "block_table": args["block_table"].long()})
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 256])
+def test_fused_infer_attention_tnd_rejects_head_dims_other_than_128_and_192(d):
+    """TND without rope: Q_D = K_D = V_D = 128, or Q_D = K_D = 192; 16-aligned is not enough."""
+    rng = np.random.default_rng(0)
+    _, kv, _, q, meta = _paged_case(rng, torch.float16, [(3, 10)], 2, 2, d)
+    key = kv[0].reshape(kv.shape[1], 128, 2 * d)
+    with pytest.raises(NpuOpError, match="head dim 128 or 192"):
+        A.npu_fused_infer_attention_score(
+            q, key, key, atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1),
+            block_table=torch.from_numpy(meta.block_table), actual_seq_lengths=[3], actual_seq_lengths_kv=[10],
+            num_heads=2, num_key_value_heads=2, input_layout="TND", sparse_mode=3, block_size=128)
+
+
+def _tnd_args(q_ends, kv_lens, table_rows, max_blocks=1):
+    return dict(atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1),
+                block_table=torch.zeros(table_rows, max_blocks, dtype=torch.int32), actual_seq_lengths=q_ends,
+                actual_seq_lengths_kv=kv_lens, num_heads=1, num_key_value_heads=1, input_layout="TND", sparse_mode=3,
+                block_size=128)
+
+
+def test_fused_infer_attention_rejects_entries_reading_more_blocks_than_the_cache_holds():
+    """A 4096-row prefill cut into 32 tiles of 128 reads 1 + 2 + ... + 32 = 528 blocks (the
+    request owns 32): one call of every tile fails on a cache of 100 blocks."""
+    from infer.core.xy_plan import attention_table
+
+    table = attention_table([0, 4096], [4096])
+    assert len(table) == 32 and int((-(-table.kv_len // 128)).sum()) == 528
+    q = torch.zeros(4096, 1, 128, dtype=torch.float16)
+    key = torch.zeros(100, 128, 128, dtype=torch.float16)
+    args = _tnd_args(np.cumsum(table.token_num).tolist(), table.kv_len.tolist(), 32, max_blocks=32)
+    with pytest.raises(NpuOpError, match="528 blocks"):
+        A.npu_fused_infer_attention_score(q, key, key, **args)
+
+
+def test_fused_infer_attention_tnd_takes_at_most_4096_batch_entries():
+    q = torch.zeros(4097, 1, 128, dtype=torch.float16)
+    key = torch.zeros(1, 128, 128, dtype=torch.float16)
+    with pytest.raises(NpuOpError, match="at most 4096"):
+        A.npu_fused_infer_attention_score(q, key, key, **_tnd_args(list(range(1, 4098)), [0] * 4097, 4097))
+    out, _ = A.npu_fused_infer_attention_score(q[:4096], key, key, **_tnd_args(list(range(1, 4097)), [0] * 4096, 4096))
+    assert out.shape == (4096, 1, 128)
 
 
 # -- row-wise ops --------------------------------------------------------------
@@ -218,10 +316,14 @@ def test_weight_quant_batchmatmul_dequantizes_weight_plus_offset_times_scale(dty
     per_k = (lambda t: np.repeat(t, group, 0)) if group else (lambda t: t)
     want = x @ ((q.astype(np.float32) + per_k(o)) * per_k(s))
     close(Q.npu_weight_quant_batchmatmul(xt, torch.from_numpy(q), st, ot, antiquant_group_size=group), want, dtype)
-    bias = rng.standard_normal(n).astype(np.float32)
-    got = Q.npu_weight_quant_batchmatmul(xt, torch.from_numpy(q), st, ot, bias=torch.from_numpy(bias),
-                                         antiquant_group_size=group)
+    # bias: float16 for float16 x, float32 for bfloat16 x (the document's pairing)
+    bias_dtype = torch.float32 if dtype == torch.bfloat16 else torch.float16
+    bias, bt = rounded(rng, (n,), bias_dtype)
+    got = Q.npu_weight_quant_batchmatmul(xt, torch.from_numpy(q), st, ot, bias=bt, antiquant_group_size=group)
     close(got, want + bias, dtype)
+    wrong = torch.float16 if dtype == torch.bfloat16 else torch.float32
+    with pytest.raises(NpuOpError, match="bias must be"):
+        Q.npu_weight_quant_batchmatmul(xt, torch.from_numpy(q), st, ot, bias=bt.to(wrong), antiquant_group_size=group)
 
 
 def test_weight_quant_batchmatmul_enforces_documented_limits():
@@ -239,3 +341,20 @@ def test_weight_quant_batchmatmul_enforces_documented_limits():
         Q.npu_weight_quant_batchmatmul(x, w, s, quant_scale=torch.ones(8), antiquant_group_size=32)
     with pytest.raises(NpuOpError, match="per-channel"):
         Q.npu_weight_quant_batchmatmul(x, w, s)
+    with pytest.raises(NpuOpError, match="no rows"):
+        Q.npu_weight_quant_batchmatmul(x[:0], w, s, antiquant_group_size=32)
+
+
+def test_weight_quant_batchmatmul_takes_n_up_to_65535_only():
+    """K and N lie in [1, 65535]: a 152k-vocabulary lm_head in one product is rejected."""
+    x = torch.zeros(1, 64, dtype=torch.float16)
+    for n, ok in ((65535, True), (65536, False), (151936, False)):
+        w, s = torch.zeros(64, n, dtype=torch.int8), torch.ones(1, n, dtype=torch.float16)
+        if ok:
+            assert Q.npu_weight_quant_batchmatmul(x, w, s).shape == (1, n)
+        else:
+            with pytest.raises(NpuOpError, match=r"\[1, 65535\]"):
+                Q.npu_weight_quant_batchmatmul(x, w, s)
+    with pytest.raises(NpuOpError, match="K=65536"):
+        Q.npu_weight_quant_batchmatmul(torch.zeros(1, 65536, dtype=torch.float16), torch.zeros(65536, 2, dtype=torch.int8),
+                                       torch.ones(1, 2, dtype=torch.float16))

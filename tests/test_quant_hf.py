@@ -314,3 +314,24 @@ def test_awq_packings_other_than_gemm_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(LoaderError, match="AWQ version 'gemv'"):
         load_model(tmp_path, load_tokenizer=False).lazy_weights(quantized=True)["model.layers.0.self_attn.q_proj.weight"]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_per_channel_int4_group_size_minus_one_is_one_group_per_row(method):
+    """``group_size: -1`` (per-channel AWQ/GPTQ): one scale and zero per output row."""
+    from infer.core.loader.quant_hf import awq_handle, gptq_handle
+    from infer.primitives.dequant import dequantize
+
+    rng = np.random.default_rng(3)
+    n, k = 16, 64
+    q = rng.integers(0, 16, (k, n))
+    zeros = rng.integers(0, 16, (1, n))
+    scales = rng.uniform(0.01, 0.1, (1, n)).astype(np.float16)
+    want = ((q - zeros) * scales.astype(np.float32)).T
+    if method == "awq":
+        handle = awq_handle(pack_along_last(q, AWQ_ORDER), pack_along_last(zeros, AWQ_ORDER), scales, -1)
+    else:
+        qweight = np.ascontiguousarray(pack_along_last(np.ascontiguousarray(q.T)).T)
+        handle = gptq_handle(qweight, pack_along_last((zeros - 1) & 0xF), scales, np.zeros(k, np.int32), -1, True)
+    assert handle.group_size == k and handle.scales.shape == (n, 1)
+    np.testing.assert_allclose(dequantize(handle), want, rtol=1e-6, atol=1e-6)

@@ -409,3 +409,53 @@ def test_attention_over_blocks_in_cache_order(q_len, seq_len):
         torch.testing.assert_close(OPS.attention(q, ordered, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
     m.block_table = OPS.prepare_metadata(meta).block_table  # the scattered table, same plan
     torch.testing.assert_close(OPS.attention(q, cache, m, 0.25).double(), want, atol=1e-5, rtol=1e-5)
+
+
+class _SyncCounter:
+    """Counts reads of tensor values on the host (each a blocking sync on a device)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("__bool__", "__int__", "__index__", "__float__", "item", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _name=name, _original=original, **k):
+                self.calls.append(_name)
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        for name in ("nonzero", "count_nonzero"):
+            original = getattr(torch, name)
+
+            def counted_fn(*a, _name=name, _original=original, **k):
+                self.calls.append(_name)
+                return _original(*a, **k)
+
+            monkeypatch.setattr(torch, name, counted_fn)
+
+
+@pytest.mark.parametrize("case", [
+    dict(temperature=0.0, penalties=True, logit_bias=True),  # greedy rows
+    dict(temperature=[0.0, 0.7, 1.0, 0.0], top_k=[0, 5, 200, 3], top_p=[1.0, 0.9, 0.5, 1.0], min_p=[0.0, 0.1, 0.0, 0.0],
+         penalties=True),  # greedy and sampled rows mixed, every filter
+    dict(temperature=0.8, top_k=4, top_p=0.8),
+    dict(temperature=1.0, top_p=0.95, ties=3),  # ties at the top_p cut are ranked by id either way
+])
+def test_sampling_decides_from_the_host_copy_without_reading_the_device(monkeypatch, case):
+    from infer.testing import inputs
+
+    x = inputs.sample(np.random.default_rng(7), "float32", **case)
+    be = TorchBackend()
+    params = be.prepare_sampling(x["params"])
+    assert params.host is x["params"]
+    logits = be.asarray(x["logits"])
+    without_host = sampling.sample(logits, SamplingTensors(**{f: getattr(params, f) for f in params.__dataclass_fields__
+                                                              if f != "host"}))
+    # As on an accelerator: the sync-free forms (full-row top_p sort and noise), decisions from `host`.
+    monkeypatch.setattr(ranking, "avoid_host_reads", lambda device: True)
+    monkeypatch.setattr(sampling, "avoid_host_reads", lambda device: True)
+    counter = _SyncCounter(monkeypatch)
+    with_host = sampling.sample(logits, params)
+    assert counter.calls == []
+    assert torch.equal(with_host.token_ids, without_host.token_ids)
+    assert torch.equal(with_host.logprobs, without_host.logprobs)

@@ -363,6 +363,6 @@ class Scheduler:
         drafts = n - len(tokens)
         if drafts:
             tokens = tokens + req.spec_token_ids[:drafts]
-        block_ids = self.block_manager.get_block_ids(req.request_id)
+        block_ids = self.block_manager.block_table_row(req.request_id)
         return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n - drafts == req.num_tokens, req,
                                 drafts)

@@ -34,7 +34,7 @@ class ScheduledRequest:
     start: int
     num_tokens: int
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: np.ndarray | list[int]  # int32 from the block manager
     do_sample: bool
     request: Request = field(repr=False)
     num_drafts: int = 0

@@ -371,7 +371,7 @@ class DraftModelProposer(Proposer):
         from .scheduler_output import ScheduledRequest, SchedulerOutput
 
         scheduled = [ScheduledRequest(shim.request_id, shim.num_computed_tokens, len(new), list(new),
-                                      self.blocks.get_block_ids(shim.request_id), True, None) for shim, new in rows]
+                                      self.blocks.block_table_row(shim.request_id), True, None) for shim, new in rows]
         mi = SchedulerOutput(scheduled, [], [], [], self.block_size).model_input()
         out = execute_step(self.runner, StepInput(mi.input_ids, mi.positions, mi.logits_indices, mi.attn_metadata))
         return [int(t) for t in np.argmax(self.backend.to_numpy(out.logits), axis=-1)]

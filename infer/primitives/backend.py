@@ -205,11 +205,13 @@ class Backend(ABC):
         )
 
     def prepare_sampling(self, params: SamplingTensors) -> SamplingTensors:
-        """Move a step's host sampling parameters (NumPy arrays) to the device."""
+        """Move a step's host sampling parameters (NumPy arrays) to the device; the
+        host arrays come along as `host` (decisions about the batch read them, not the device)."""
         fields = {}
         for name in SamplingTensors.__dataclass_fields__:
             value = getattr(params, name)
             fields[name] = self.asarray(value) if isinstance(value, np.ndarray) else value
+        fields["host"] = params if params.host is None else params.host
         return SamplingTensors(**fields)
 
     def prepare_weight(self, weight: WeightHandle) -> WeightHandle:

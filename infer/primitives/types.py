@@ -166,6 +166,11 @@ class SamplingTensors:
                          or None when no row has one (step 6).
       draft_probs        [B, V] float32, the drafter's distribution per row, or
                          None: one-hot at the drafted token (n-gram drafts).
+      host               the same parameters as host NumPy arrays, or None. Set
+                         by `prepare_sampling` when it moves them to a device, so
+                         a backend can take its per-batch decisions (any greedy
+                         row? the largest top_k?) on the host instead of reading
+                         device memory back (each read a blocking sync).
     """
 
     temperature: Any
@@ -185,6 +190,7 @@ class SamplingTensors:
     max_num_logprobs: int = 0
     draft_token_ids: Any = None
     draft_probs: Any = None
+    host: SamplingTensors | None = None
 
     @property
     def num_seqs(self) -> int:

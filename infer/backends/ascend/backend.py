@@ -1,8 +1,9 @@
 """`AscendBackend`: Huawei Ascend NPUs through torch_npu's fused ops, XY-Serve style.
 
 Native: rms_norm (npu_rms_norm / npu_add_rms_norm), rotary (npu_rotary_mul),
-act_and_mul (npu_swiglu for silu), kv_write (npu_scatter_pa_kv_cache),
-attention (npu_fused_infer_attention_score over the planner's tiles), moe
+act_and_mul (npu_swiglu for silu), kv_write (npu_scatter_pa_kv_cache, float16/bfloat16
+caches), attention (npu_fused_infer_attention_score over the planner's tiles,
+head_dim 128 or 192), moe
 (gating top-k, init routing v2, grouped matmul, token unpermute) and linear
 (SmoothGEMM row tiles; int4/int8 group-quantized weights through
 npu_weight_quant_batchmatmul, fp16/bf16 activations). Everything else, and what `supports` declines, is the
@@ -57,6 +58,9 @@ class AscendBackend(TorchTensors):
         base = super().supports(primitive, **kw)
         if base and primitive == "linear" and kw.get("weight_kind", "dense") != "dense" and kw.get("dtype") == "float32":
             return Support(False, "npu_weight_quant_batchmatmul takes float16/bfloat16 activations only")
+        if base and primitive == "kv_write" and kw.get("dtype") == "float32":
+            return Support(False, "npu_scatter_pa_kv_cache takes float16/bfloat16/int8 on Atlas A2/A3 "
+                                  "(aclnnScatterPaKvCache), not float32")
         if not base or primitive not in ("attention", "moe"):
             return base
         if primitive == "moe":
@@ -69,8 +73,8 @@ class AscendBackend(TorchTensors):
             if kw.get(key):
                 return Support(False, reason)
         head_dim = kw.get("head_dim")
-        if head_dim is not None and head_dim % 16:
-            return Support(False, f"npu_fused_infer_attention_score needs a 16-aligned head_dim, got {head_dim}")
+        if head_dim is not None and head_dim not in attn.FUSED_HEAD_DIMS:
+            return Support(False, f"npu_fused_infer_attention_score's TND layout takes head_dim 128 or 192, got {head_dim}")
         return base
 
     # -- plumbing on `placement` -------------------------------------------------
@@ -89,7 +93,7 @@ class AscendBackend(TorchTensors):
 
     def plan_attention(self, meta: AttentionMetadata) -> attn.AscendStepPlan:
         """The step's XY-Serve tiles, planned once on the host for every layer."""
-        return attn.plan_step(meta.query_start_loc, meta.seq_lens, self.placement)
+        return attn.plan_step(meta.query_start_loc, meta.seq_lens)
 
     def synchronize(self) -> None:
         torch.npu.synchronize()

@@ -6,6 +6,11 @@ computes just its real rows. On Ascend a GEMM's kernel and tiling are chosen
 per shape: with fixed row tiles a serving run sees a handful of GEMM shapes
 per layer instead of one per distinct batch size. The row tiles come from the
 planner's SmoothGEMM Token-Table (`infer.core.xy_plan.linear_table`).
+
+npu_weight_quant_batchmatmul takes K and N in [1, 65535]: a quantized weight
+is prepared as column chunks of at most `N_CHUNK` outputs (a 152k-vocabulary
+lm_head is three products per row tile), and one with K > 65535 runs torch's
+quantized linear instead.
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ import torch.nn.functional as F
 from ...core import xy_plan
 from ...primitives.types import DenseWeight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 from ...primitives.torch_tensors import TORCH_DTYPES
+from ..torch_native import quant_linear as torch_quant
 from .availability import torch_npu
 
 # Rows per GEMM tile. Decode batches up to this size are one product.
 M_TILE = 512
+# npu_weight_quant_batchmatmul's K and N range is [1, 65535].
+MAX_KN = 65535
+# Output columns per quantized product: the largest multiple of 64 within MAX_KN.
+N_CHUNK = MAX_KN // 64 * 64
 
 
 def row_tiles(num_tokens: int, m_tile: int = M_TILE) -> list[tuple[int, int]]:
@@ -43,14 +53,22 @@ class WeightQuant:
     group: int  # 0: per channel
 
 
+@dataclass(frozen=True, slots=True)
+class QuantChunks:
+    """A prepared quantized weight: its output columns cut into products the op accepts."""
+
+    starts: tuple[int, ...]  # first output column of each chunk
+    parts: tuple[WeightQuant, ...]
+
+
 def prepare_weight(w: WeightHandle) -> WeightHandle:
     """int8 group (Q8_0): ``q * s``. int4 group: ``q * s + o`` = ``((q - 8) + (8 + o / s)) * s``,
     q - 8 carried as int8. Centred, the offset the op rounds to the activation dtype is small
     (0 for GPTQ/AWQ zero points of 8, about 0.5 for GGUF Q4_1's minimum), so its rounding error
     is too. A group whose scale is 0 (all its weights equal o) becomes q - 8 = 0, scale o,
     offset 1, which is exact."""
-    if isinstance(w, DenseWeight) or w.prepared is not None:
-        return w
+    if isinstance(w, DenseWeight) or w.prepared is not None or w.in_features > MAX_KN:
+        return w  # K > 65535: torch's quantized linear runs it (see _quant_linear)
     dtype = TORCH_DTYPES[w.dtype]
     n, k, g = w.out_features, w.in_features, w.group_size
     if isinstance(w, Int8GroupWeight):
@@ -64,10 +82,13 @@ def prepare_weight(w: WeightHandle) -> WeightHandle:
         scale = torch.where(flat, w.offsets.float(), scale)
     else:
         raise TypeError(f"ascend linear: no npu_weight_quant_batchmatmul form for {w.kind!r} weights")
-    per_channel = g >= k
-    table = lambda t: t.t().contiguous().to(dtype) if t is not None else None  # noqa: E731
-    return dataclasses.replace(w, prepared=WeightQuant(q.t().contiguous(), table(scale), table(offset),
-                                                       0 if per_channel else g))
+    group = 0 if g >= k else g  # one group spanning K: per channel
+    starts = tuple(range(0, n, N_CHUNK))
+    # [K, N] weight and [K/G or 1, N] tables, each chunk its own contiguous copy (the op takes no column slices).
+    cols = lambda t, c: t[c:c + N_CHUNK].t().contiguous()  # noqa: E731
+    parts = tuple(WeightQuant(cols(q, c), cols(scale, c).to(dtype),
+                              cols(offset, c).to(dtype) if offset is not None else None, group) for c in starts)
+    return dataclasses.replace(w, prepared=QuantChunks(starts, parts))
 
 
 def _quant_product(x: torch.Tensor, p: WeightQuant) -> torch.Tensor:
@@ -94,13 +115,20 @@ def tiled_linear(x: torch.Tensor, weight: WeightHandle, m_tile: int) -> torch.Te
 
 
 def _quant_linear(x: torch.Tensor, weight: WeightHandle, m_tile: int) -> torch.Tensor:
+    if weight.in_features > MAX_KN:
+        return torch_quant.linear(x, weight)
     p = weight.prepared
-    if not isinstance(p, WeightQuant):
+    if not isinstance(p, QuantChunks):
         raise ValueError("ascend linear: a quantized weight must go through the backend's prepare_weight first")
     t = x.shape[0]
     out = torch.empty(t, weight.out_features, dtype=x.dtype, device=x.device)
     for start, rows in row_tiles(t, m_tile) if t else ():
-        out[start:start + rows] = _quant_product(x[start:start + rows], p)
+        xs = x[start:start + rows]
+        if len(p.parts) == 1:
+            out[start:start + rows] = _quant_product(xs, p.parts[0])
+            continue
+        for col, part in zip(p.starts, p.parts):
+            out[start:start + rows, col:col + part.weight.shape[1]] = _quant_product(xs, part)
     if weight.bias is not None:
         out += weight.bias.to(x.dtype)
     return out

@@ -14,10 +14,15 @@ so the grid ``T // BLOCK_Q + B`` is known from shapes alone and each program
 finds its request by binary search. Nothing here reads device memory on the
 host, which is what lets a decode step be captured in a CUDA graph.
 
-Flash-decoding: with ``num_splits > 1`` each (tile, head) also splits its key
-range into that many even parts; the parts write partial (output, max,
-sum) triples that `_combine_splits_kernel` merges. That keeps the GPU busy when
-batch * kv_heads is small and contexts are long.
+Flash-decoding: with ``num_splits > 1`` each one-query request (a decode row,
+in a decode-only or a mixed step) also splits its key range into up to that
+many parts of at least ``MIN_SPLIT_TOKENS`` keys when the count is the
+default; the parts write partial (output, max, sum) triples, per request, that
+`_combine_splits_kernel` merges. That keeps the GPU busy when batch * kv_heads
+is small and contexts are long, and keeps a long decode from being the last
+program of a mixed step. Splits past a request's keys (a shorter request than
+the step's longest; a graph's capacity) only write (-inf, 0). The split count
+is a runtime argument: contexts and batches that grow compile nothing new.
 
 An fp8 cache (uint8 e4m3fn codes) is read at one byte per element and decoded
 in registers (`fp8.e4m3_to_f16`, exact) to the query's dtype; the scales
@@ -43,6 +48,8 @@ from .launch import compute_f32, dot_precision, next_pow2
 TILE_N = 64
 # Smallest key range worth a split of its own: below it the partials cost more than they save.
 MIN_SPLIT_TOKENS = 256
+# Most splits the default picks; the combine kernel's split axis is padded to it (one variant for every count).
+MAX_SPLITS = 32
 
 
 @triton.jit
@@ -51,16 +58,22 @@ def _tanh(x):
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
-@triton.jit
+# Int arguments that change from step to step (batch, context, split count, block-table
+# width): Triton would otherwise specialise on each being 1 or a multiple of 16 and compile
+# a variant per class as a request's context grows.
+_PER_STEP = ["window", "num_seqs", "num_splits", "min_split_tiles", "stride_bt", "stride_pt", "stride_ph", "stride_ps"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, v_mul, soft_cap, window, num_seqs,
+    scale, v_mul, soft_cap, window, num_seqs, num_splits, min_split_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
     FP8_NATIVE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -83,6 +96,10 @@ def _paged_attention_kernel(
     q_tile = pid - (q_start // BLOCK_Q + b)
     if q_tile * BLOCK_Q >= q_len:
         return  # a spare program of the upper-bound grid
+    # Only one-query (decode) requests split their keys; a longer request's tiles are split 0's.
+    n_splits = tl.where(q_len == 1, num_splits, 1)
+    if split >= n_splits:
+        return
     seq_len = tl.load(seq_lens_ptr + b)
     first_pos = seq_len - q_len  # position of the request's first query
 
@@ -93,12 +110,6 @@ def _paged_attention_kernel(
     head = kvh * GROUP + head_in_group
     token = q_start + qi
     q_pos = first_pos + qi
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if F32:
-        q = q.to(tl.float32)
 
     # Keys this tile can see: up to its last query, from the window of its first.
     last_q = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
@@ -107,9 +118,27 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         k_lo = tl.maximum(first_pos + q_tile * BLOCK_Q - window + 1, 0)
     k_lo = (k_lo // TILE) * TILE
-    per_split = tl.cdiv(tl.cdiv(k_end - k_lo, TILE), NUM_SPLITS) * TILE
+    # Each split takes at least min_split_tiles: a request shorter than the step's
+    # longest (or than a graph's capacity) leaves the spare splits empty.
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(k_end - k_lo, TILE), n_splits), min_split_tiles) * TILE
     s_lo = k_lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, k_end)
+    to_out = True  # rows finished here, not partials for the combine
+    if SPLIT:
+        to_out = q_len > 1
+    part = b * stride_pt + head * stride_ph + split * stride_ps  # a one-query request's partial, per request
+    if SPLIT:
+        if (q_len == 1) & (s_lo >= s_hi):  # an empty split: only (max, sum) = (-inf, 0), weighed 0 by the combine
+            tl.store(part_ml_ptr + 2 * part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(part_ml_ptr + 2 * part + 1, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if F32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -150,36 +179,36 @@ def _paged_attention_kernel(
         acc = acc * v_mul
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     io_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if to_out:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = token * stride_pt + head * stride_ph + split * stride_ps
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=io_mask)
         tl.store(part_ml_ptr + 2 * part, m_i, mask=row_ok)
         tl.store(part_ml_ptr + 2 * part + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _combine_splits_kernel(out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, num_seqs,
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_ps"])
+def _combine_splits_kernel(out_ptr, part_out_ptr, part_ml_ptr, query_start_loc_ptr, num_splits,
                            stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           SPLITS_PAD: tl.constexpr):
-    token = tl.program_id(0)
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    b = tl.program_id(0)
     head = tl.program_id(1)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
-        return  # a padded row: it belongs to no request
+    token = tl.load(query_start_loc_ptr + b)
+    if tl.load(query_start_loc_ptr + b + 1) - token != 1:
+        return  # a request of several queries: the attention kernel wrote its rows
     s = tl.arange(0, SPLITS_PAD)
-    s_ok = s < NUM_SPLITS
-    part = token * stride_pt + head * stride_ph + s * stride_ps
+    s_ok = s < num_splits
+    part = b * stride_pt + head * stride_ph + s * stride_ps
     m = tl.load(part_ml_ptr + 2 * part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + 2 * part + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max) * l_s  # each split's share of the softmax denominator
     d = tl.arange(0, BLOCK_D)
-    o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
-                other=0.0)
+    # An empty split (sum 0) wrote no output row: it weighs nothing, so it is not read.
+    o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :],
+                mask=(s_ok & (l_s > 0.0))[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -192,22 +221,23 @@ def _num_sms(device: torch.device) -> int:
 
 def default_num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_query_len: int,
                        max_seq_len: int) -> int:
-    """Flash-decoding splits for a decode-only batch too small to fill the GPU (two programs per SM)."""
-    if device.type != "cuda" or max_query_len != 1:
-        return 1
+    """Flash-decoding splits for the one-query requests of a step too small to fill the GPU
+    (two programs per SM), decode-only or mixed with prefills (whose tiles do not split)."""
+    if device.type != "cuda" or (max_query_len > 1 and num_seqs == 1):
+        return 1  # a lone request of several queries has no one-query row
     sms = _num_sms(device)
     want = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, 32))
+    return max(1, min(want, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int, split: bool = False,
                   device: torch.device | None = None, head_dim: int | None = None) -> dict:
     """Tile rows (query tokens x query heads of a program), keys per step, warps and
     pipeline stages: for fp16/bf16, the device's tuned file where it has tiles for this
-    head size (`tuned.py`, written by `benchmarks/gpu_check.py --tune`), else these guesses."""
+    head size and group (`tuned.py`, written by `benchmarks/gpu_check.py --tune`), else these guesses."""
     if device is not None and head_dim is not None and q_dtype in (torch.float16, torch.bfloat16):
         kind = "prefill" if max_query_len > 1 else "decode_split" if split else "decode"
-        tuned_cfg = tuned.attention(kind, device, head_dim)
+        tuned_cfg = tuned.attention(kind, device, head_dim, group_pad)
         if tuned_cfg:
             return tuned_cfg
     # tl.dot wants >= 16 rows; a decode step has one query per request, so its
@@ -245,15 +275,19 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
+    # The default split count is the longest request's (a graph's: its capacity's); each split
+    # then takes at least MIN_SPLIT_TOKENS, so shorter requests leave spare splits empty.
+    # A count given by the caller splits every request evenly.
+    min_split_tokens = MIN_SPLIT_TOKENS if num_splits is None else 1
     if num_splits is None:
         num_splits = default_num_splits(q.device, num_seqs, num_kv_heads, meta.max_query_len, meta.max_seq_len)
     cfg = config or launch_config(q.dtype, meta.max_query_len, group_pad, num_splits > 1, q.device, head_dim)
     block_q = max(1, cfg["rows"] // group_pad)
     block_d = max(16, next_pow2(head_dim))
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    if num_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    if num_splits > 1:  # partials of the one-query requests, per request
+        part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
         pstrides = (num_heads * num_splits, num_splits, 1)
     else:
         part_out = part_ml = out  # unused
@@ -261,19 +295,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     _paged_attention_kernel[grid](
         out, part_out, part_ml, q, k_cache, v_cache,
         meta.block_table, meta.seq_lens, meta.query_start_loc,
-        float(scale), float(v_mul), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs,
+        float(scale), float(v_mul), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs, num_splits,
+        triton.cdiv(min_split_tokens, cfg["tile_n"]),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_table.stride(0), *pstrides,
         BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, TILE=cfg["tile_n"], NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, TILE=cfg["tile_n"], SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         F32=compute_f32(q.dtype), FP8=fp8_cache, FP8_NATIVE=native, PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_ml, meta.query_start_loc, num_seqs, out.stride(0), out.stride(1), *pstrides,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)),
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            out, part_out, part_ml, meta.query_start_loc, num_splits, out.stride(0), out.stride(1),
+            *pstrides, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(MAX_SPLITS, next_pow2(num_splits)),
         )  # fmt: skip
     return out
 

@@ -102,7 +102,8 @@ class DecodeGraphs:
         """(ids, positions, rows, metadata) views of the static buffers for batch size `bs`."""
         n, d64, d32 = self.batch_sizes[-1], self._dev64, self._dev32
         # max_seq_len is the capacity, not this step's: the launch (split
-        # count) is frozen into the graph and must fit every later step.
+        # count) is frozen into the graph and must fit every later step. A
+        # shorter context keeps MIN_SPLIT_TOKENS per split: its spare splits exit at once.
         meta = AttentionMetadata(self._query_start_loc[:bs + 1], d32[:bs], d32[n:].view(n, self.max_blocks)[:bs],
                                  d64[2 * n:2 * n + bs], max_query_len=1, max_seq_len=self.max_model_len,
                                  block_size=self.block_size)

@@ -1,9 +1,11 @@
 """`linear` on quantized weights: the weight is dequantized tile by tile inside the GEMM.
 
 One program computes a [BLOCK_T, BLOCK_N] tile of ``x @ w.T``. For each K tile
-it loads the stored codes of its BLOCK_N rows, turns them into float32 with
-their group's scale (and offset), and feeds ``tl.dot``; the dequantized matrix
-never exists in memory, so the weight is read at its stored width.
+it loads the stored codes of its BLOCK_N rows (each byte once, contiguous
+along K, so the loads are wide), turns them into float32 with their group's
+scale (and offset), loaded once per group and broadcast over its codes, and
+feeds ``tl.dot``; the dequantized matrix never exists in memory, so the weight
+is read at its stored width.
 
 * int4 group (`Int4GroupWeight`: GGUF Q4_0/Q4_1, AWQ, GPTQ): byte ``k // 2`` of
   a row holds k's nibble (low for even k), ``w = q * scale + offset``.
@@ -37,7 +39,38 @@ KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
 
 
 @triton.jit
-def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_qn, stride_sn,
+def _grouped(q, s_ptr, o_ptr, rows, n_ok, k0, K, stride_sn, GROUP: tl.constexpr, HAS_OFFSET: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The codes `q` [BLOCK_N, BLOCK_K] (K from k0) times their group's scale, plus its offset.
+
+    Each group's scale is loaded once and broadcast over its codes, not gathered per code.
+    """
+    if GROUP % BLOCK_K == 0:  # the whole K tile lies in one group: one scale per row
+        g = rows * stride_sn + k0 // GROUP
+        w = q * tl.load(s_ptr + g, mask=n_ok, other=0.0)[:, None]
+        if HAS_OFFSET:
+            w += tl.load(o_ptr + g, mask=n_ok, other=0.0)[:, None]
+    elif BLOCK_K % GROUP == 0:  # BLOCK_K // GROUP whole groups: scales [BLOCK_N, PER], broadcast over GROUP
+        PER: tl.constexpr = BLOCK_K // GROUP
+        gs = k0 // GROUP + tl.arange(0, PER)
+        g = rows[:, None] * stride_sn + gs[None, :]
+        m = n_ok[:, None] & (gs * GROUP < K)[None, :]
+        w = tl.reshape(q, (BLOCK_N, PER, GROUP)) * tl.load(s_ptr + g, mask=m, other=0.0)[:, :, None]
+        if HAS_OFFSET:
+            w += tl.load(o_ptr + g, mask=m, other=0.0)[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:  # a group size that is not a power of two: one scale per code
+        ks = k0 + tl.arange(0, BLOCK_K)
+        g = rows[:, None] * stride_sn + (ks // GROUP)[None, :]
+        m = n_ok[:, None] & (ks < K)[None, :]
+        w = q * tl.load(s_ptr + g, mask=m, other=0.0)
+        if HAS_OFFSET:
+            w += tl.load(o_ptr + g, mask=m, other=0.0)
+    return w
+
+
+@triton.jit
+def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, KQ, stride_xt, stride_qn, stride_sn,
                          stride_out, KIND: tl.constexpr, GROUP: tl.constexpr, PER_TENSOR: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, F32: tl.constexpr, FP8_NATIVE: tl.constexpr,
@@ -51,22 +84,22 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, st
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + ts[:, None] * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = n_ok[:, None] & k_ok[None, :]
         if KIND == 0:
-            byte = tl.load(q_ptr + ns[:, None] * stride_qn + (ks // 2)[None, :], mask=wmask, other=0).to(tl.int32)
-            q = ((byte >> ((ks % 2) * 4)[None, :]) & 15).to(tl.float32)
-            g = (ks // GROUP)[None, :]
-            scale = tl.load(s_ptr + ns[:, None] * stride_sn + g, mask=wmask, other=0.0)
-            offset = tl.load(o_ptr + ns[:, None] * stride_sn + g, mask=wmask, other=0.0)
-            w = q * scale + offset
+            # Each byte once, contiguous along K (wide loads); its low nibble is the even k, so
+            # joining (low, high) on a new last axis and flattening restores K's order.
+            js = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(q_ptr + ns[:, None] * stride_qn + js[None, :], mask=n_ok[:, None] & (js < KQ)[None, :],
+                           other=0)
+            q = tl.interleave(byte & 15, byte >> 4).to(tl.float32)
+            w = _grouped(q, s_ptr, o_ptr, ns, n_ok, k0, K, stride_sn, GROUP, True, BLOCK_N, BLOCK_K)
         elif KIND == 1:
-            q = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0).to(tl.float32)
-            scale = tl.load(s_ptr + ns[:, None] * stride_sn + (ks // GROUP)[None, :], mask=wmask, other=0.0)
-            w = q * scale
+            q = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w = _grouped(q.to(tl.float32), s_ptr, s_ptr, ns, n_ok, k0, K, stride_sn, GROUP, False, BLOCK_N, BLOCK_K)
         else:
             # The code's value (times 2^-8 without FP8_NATIVE), exact in any dtype: the
             # per-row scale multiplies the finished dot products below.
-            w = e4m3_to_f16(tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=wmask, other=0), FP8_NATIVE)
+            w = e4m3_to_f16(tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                    other=0), FP8_NATIVE)
         if F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -88,15 +121,16 @@ def tiles(t: int, dtype: torch.dtype, device: torch.device | None = None) -> tup
     For fp16/bf16 x, the device's tuned file where it has one (`tuned.py`,
     written by `benchmarks/gpu_check.py --tune`). Otherwise guesses: few rows
     (decode) stream the weight, and long K tiles keep more bytes in flight per
-    program; many rows with 16-bit x are a tensor-core GEMM; float32 x runs on
-    the FMA units and keeps small tiles.
+    program (with 16-bit x, K 256: each thread copies 32 bytes of int4 codes per
+    pipeline stage, twice K 128's, in the same grid); many rows with 16-bit x
+    are a tensor-core GEMM; float32 x runs on the FMA units and keeps small tiles.
     """
     if device is not None and dtype in (torch.float16, torch.bfloat16):
         tile = tuned.quant_linear("decode" if t <= 16 else "prefill", device)
         if tile:
             return tile
     if t <= 16:
-        return 16, 32, 128, 4
+        return (16, 32, 128, 4) if compute_f32(dtype) else (16, 32, 256, 4)
     if compute_f32(dtype):
         return 32, 32, 32, 4
     return 64, 64, 64, 4
@@ -123,8 +157,10 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
     bias = w.bias if w.bias is not None else scales  # unread without HAS_BIAS
     block_t, block_n, block_k, warps = config or tiles(t, x.dtype, x.device)
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
+    # q.shape[1] (codes per row: k/2 for int4) is its own argument so the compiler knows
+    # when it is a multiple of 16, which the int4 tail mask needs for 8- and 16-byte loads.
     _quant_linear_kernel[grid](
-        x, q, scales, offsets, bias, out, t, n, k, x.stride(0), q.stride(0),
+        x, q, scales, offsets, bias, out, t, n, k, q.shape[1], x.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() > 1 or not per_tensor else 0, out.stride(0),
         KIND=KINDS[w.kind], GROUP=group, PER_TENSOR=per_tensor, HAS_BIAS=w.bias is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, F32=compute_f32(x.dtype),

@@ -16,6 +16,17 @@ import torch
 TOP_P_CANDIDATES = (1024, 16384)
 
 
+def avoid_host_reads(device: torch.device) -> bool:
+    """Whether to pick sync-free forms over cheaper ones that read values back.
+
+    On the CPU a read costs nothing, so the sampler looks at the data to skip
+    work (few top_p candidates, noise only where it can win). On an
+    accelerator each read stalls the stream until the GPU catches up; a
+    full-row sort or noise over the whole row costs less than the stall.
+    """
+    return device.type != "cpu"
+
+
 def first_n_mask(x: torch.Tensor, n: torch.Tensor, nth: torch.Tensor, ties_cut: bool) -> torch.Tensor:
     """[R, V] mask of each row's first n[r] entries in (value desc, id asc) order.
 
@@ -68,6 +79,10 @@ def top_p_mask(probs: torch.Tensor, top_p: torch.Tensor, first_try: int | None =
     nucleus is larger retry with more, and finally with the whole row.
     """
     rows, width = probs.shape
+    if avoid_host_reads(probs.device):  # one exact pass over the sorted row: nothing read back
+        values = torch.sort(probs, dim=-1, descending=True).values
+        n = ((values.cumsum(dim=-1) - values) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+        return first_n_mask(probs, n, values.gather(1, (n - 1)[:, None]), ties_cut=True)
     keep = None  # allocated once some row needs a second try
     todo = None  # rows still looking; None while that is every row
     tries = (*TOP_P_CANDIDATES, width) if first_try is None else (first_try, *TOP_P_CANDIDATES, width)

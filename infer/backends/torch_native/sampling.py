@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 
 from ...primitives.types import SampleOutput, SamplingTensors
 from .native import ops as native
 from .noise import acceptance_uniforms, gumbel_noise, gumbel_noise_at
-from .ranking import top_p_mask, topk_lowest_id
+from .ranking import avoid_host_reads, top_p_mask, topk_lowest_id
 
 NEG_INF = float("-inf")
 # Width of the Gumbel noise's range (-log(-log(u)) for u in [2**-25, 1 - 2**-25]) plus a margin.
@@ -60,13 +61,21 @@ def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return x + _byte_table(x.device).index_select(0, codes).view(b, -1)[:, :vocab]
 
 
+def _row_ids(mask, device) -> torch.Tensor:
+    """Indices of the set rows of a host (NumPy) or device boolean mask, on `device`."""
+    if isinstance(mask, np.ndarray):
+        return torch.from_numpy(np.flatnonzero(mask)).to(device)
+    return torch.nonzero(mask).flatten()
+
+
 def apply_penalties(x: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """Repetition, frequency and presence penalties, then the logit bias (a new tensor when any applies)."""
     vocab = x.shape[1]
+    h = p.host or p  # the decisions below read host arrays when they came along (no device sync)
     use_rep = (p.prompt_token_ids is not None or p.output_token_ids is not None) and bool(
-        (p.repetition_penalty != 1).any()
+        (h.repetition_penalty != 1).any()
     )
-    use_out = p.output_token_ids is not None and bool(((p.frequency_penalty != 0) | (p.presence_penalty != 0)).any())
+    use_out = p.output_token_ids is not None and bool(((h.frequency_penalty != 0) | (h.presence_penalty != 0)).any())
     if not (use_rep or use_out or p.logit_bias_ids is not None):
         return x
     counts = _token_counts(p.output_token_ids, vocab) if p.output_token_ids is not None else None
@@ -89,29 +98,34 @@ def apply_penalties(x: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     return x
 
 
-def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
-    """Temperature, then min_p, top_k and top_p, each on the renormalised result of the one before."""
+def filter_logits(x: torch.Tensor, temperature, top_k, top_p, min_p, host=None) -> torch.Tensor:
+    """Temperature, then min_p, top_k and top_p, each on the renormalised result of the one before.
+    `host`: (top_k, top_p, min_p) of the same rows as NumPy arrays, which the choices of
+    what to compute read instead of the device tensors."""
     vocab = x.shape[1]
+    hk, hp, hm = host if host is not None else (top_k, top_p, min_p)
     x = x / temperature.float()[:, None]  # a fresh tensor: the filters below work in place
-    if bool((min_p > 0).any()):
+    if bool((hm > 0).any()):
         # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p): no softmax needed.
         floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p.float())[:, None]
         x.masked_fill_(x < floor, NEG_INF)
-    k_rows = (top_k > 0) & (top_k < vocab)
+    hk_rows = (hk > 0) & (hk < vocab)
     few_left = None  # tokens left by top_k when it applied to every row: where top_p looks first
-    if bool(k_rows.any()):
-        k_max = int(top_k[k_rows].max())
+    if bool(hk_rows.any()):
+        k_max = int(hk[hk_rows].max())
+        k_rows = (top_k > 0) & (top_k < vocab)
         top = torch.topk(x, k_max, dim=-1).values
         kth = top.gather(1, (top_k.long().clamp(1, k_max) - 1)[:, None])
         # Ties at the k-th value all stay: the filter is a threshold, not a count.
         kth = torch.where(k_rows[:, None], kth, NEG_INF)
         x.masked_fill_(x < kth, NEG_INF)
-        if bool(k_rows.all()):
+        if bool(hk_rows.all()):
             few_left = k_max + 1  # one more shows whether a tie continues past the k-th
-    p_rows = torch.nonzero(top_p < 1).flatten()
-    if p_rows.numel() == x.shape[0]:
+    num_p = int((hp < 1).sum())
+    if num_p == x.shape[0]:
         x.masked_fill_(~top_p_mask(torch.softmax(x, dim=-1), top_p.float(), few_left), NEG_INF)
-    elif p_rows.numel():
+    elif num_p:
+        p_rows = _row_ids(hp < 1, x.device)
         xs = x.index_select(0, p_rows)
         keep = top_p_mask(torch.softmax(xs, dim=-1), top_p.float().index_select(0, p_rows), few_left)
         x.index_copy_(0, p_rows, xs.masked_fill_(~keep, NEG_INF))
@@ -126,7 +140,7 @@ def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> 
     never do either.
     """
     alive = x >= x.max(dim=-1, keepdim=True).values - GUMBEL_SPAN
-    if int(torch.count_nonzero(alive)) * 4 >= x.numel():
+    if avoid_host_reads(x.device) or int(torch.count_nonzero(alive)) * 4 >= x.numel():
         return gumbel_noise(seeds, steps, x.shape[1]).add_(x).argmax(dim=-1)
     r, c = torch.nonzero(alive, as_tuple=True)
     noisy = torch.full_like(x, NEG_INF)
@@ -168,18 +182,25 @@ def sample(logits: torch.Tensor, params: SamplingTensors, mask_tokens=apply_toke
     if params.token_bitmask is not None:
         x = mask_tokens(x, params.token_bitmask)
     greedy = params.temperature == 0
+    host = params.host
+    host_greedy = host.temperature == 0 if host is not None else greedy
     drafts = params.draft_token_ids
     tokens = torch.zeros(n, dtype=torch.int64, device=logits.device)
-    if bool(greedy.any()):
+    if bool(host_greedy.any()):
         tokens = x.argmax(dim=-1)  # documented to return the first maximum
     accepted = None if drafts is None else greedy & (drafts.long() == tokens)
-    rows = torch.nonzero(~greedy).flatten()
-    if rows.numel():
-        every_row = rows.numel() == n  # then row selection would only copy
+    num_sampled = int((~host_greedy).sum())
+    if num_sampled:
+        every_row = num_sampled == n  # then row selection would only copy
+        rows = None if every_row else _row_ids(~host_greedy, logits.device)
         pick = (lambda t: t) if every_row else (lambda t: t.index_select(0, rows))  # noqa: E731
         per_row = (params.temperature, params.top_k, params.top_p, params.min_p, params.seeds, params.steps)
         temperature, top_k, top_p, min_p, seeds, steps = map(pick, per_row)
-        z = filter_logits(pick(x), temperature, top_k, top_p, min_p)
+        on_host = None
+        if host is not None:
+            keep = slice(None) if every_row else ~host_greedy
+            on_host = (host.top_k[keep], host.top_p[keep], host.min_p[keep])
+        z = filter_logits(pick(x), temperature, top_k, top_p, min_p, on_host)
         if drafts is None:
             sampled = gumbel_argmax(z, seeds, steps)
         else:

@@ -44,8 +44,14 @@ def _pack_rows(q: np.ndarray) -> np.ndarray:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
 
 
+def _group(group: int, k: int) -> int:
+    """The group size of the handle: ``group_size`` -1 (or 0) in the config means one group per row."""
+    return k if group <= 0 else group
+
+
 def _affine(q_kn: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group: int) -> Int4GroupWeight:
     """Handle of ``w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]`` given K-major arrays."""
+    group = _group(group, q_kn.shape[0])
     scales = np.asarray(scales, dtype=np.float32)
     offsets = (-zeros.astype(np.float64) * scales).astype(np.float32)
     return Int4GroupWeight(_pack_rows(np.ascontiguousarray(q_kn.T)), np.ascontiguousarray(scales.T),
@@ -66,7 +72,7 @@ def gptq_handle(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_i
     z = _nibbles(qzeros).reshape(qzeros.shape[0], -1).astype(np.int16)
     if v1:
         z = (z + 1) & 0xF  # v1 stores zero - 1 in 4 bits; 8 - 1 = 7 (sym) comes back as 8
-    if g_idx is not None and not np.array_equal(np.asarray(g_idx), np.arange(k) // group):
+    if g_idx is not None and not np.array_equal(np.asarray(g_idx), np.arange(k) // _group(group, k)):
         raise LoaderError("GPTQ checkpoint has act-order (desc_act) groups (g_idx is not k // group_size); "
                           "infer reads desc_act=false GPTQ only: re-quantize with desc_act=false")
     return _affine(q, z, scales, group)

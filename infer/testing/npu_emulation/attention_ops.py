@@ -1,9 +1,12 @@
 """torch_npu's paged-KV write and fused inference attention, emulated in torch on the CPU.
 
-Written from torch_npu's documentation (Ascend/op-plugin docs/context:
-torch_npu-npu_scatter_pa_kv_cache.md, torch_npu-npu_fused_infer_attention_score.md)
-for the argument combinations vllm-ascend uses on 910B. What the documents
-forbid raises here, so a backend that would fail on the device fails in CI too.
+Written from torch_npu's documentation (Ascend/op-plugin
+docs/zh/custom_APIs/torch_npu/: torch_npu-npu_scatter_pa_kv_cache.md,
+torch_npu-npu_fused_infer_attention_score.md), CANN's aclnnScatterPaKvCache page
+and vllm-ascend's op tests, for the argument combinations vllm-ascend uses on
+910B, with torch_npu's argument defaults. What the documents forbid raises
+here, so a backend that would fail on the device fails in CI too
+(docs/backends/ascend.md lists each constraint and its source).
 """
 
 from __future__ import annotations
@@ -17,38 +20,80 @@ from .checks import require
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # sparse_mode 2/3/4 take this "optimised" mask: a fixed 2048 x 2048 upper triangle.
 COMPRESSED_MASK = 2048
+# aclnnScatterPaKvCache on Atlas A2/A3: FLOAT16, BFLOAT16, INT8 only (torch_npu's page lists more, for other chips).
+SCATTER_DTYPES = (torch.float16, torch.bfloat16, torch.int8)
+# TND without query_rope/key_rope: Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D 128 or 192.
+TND_HEAD_DIMS = (128, 192)
+# TND: one actual_seq_lengths entry per batch entry, at most this many.
+TND_MAX_BATCH = 4096
 
 
 def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
-                            compress_seq_offsets=None, seq_lens=None) -> None:
-    """Scenario 2 of the document: key/value [T, N, D] into caches [num_blocks, block_size, N, D], in place.
+                            compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ") -> None:
+    """key/value [T, N, D] written into paged caches in place, slot s at block ``s // block_size``,
+    offset ``s % block_size``.
 
-    Slot s is block ``s // block_size``, offset ``s % block_size``; slots must
-    lie in [0, num_blocks * block_size - 1] (no -1 padding) and be unique.
+    ``cache_mode`` defaults to ``"PA_NZ"``, as in torch_npu: the caches must then be in
+    the NZ layout ``[num_blocks, N*D // last, block_size, last]`` (or its 5-D form
+    ``[num_blocks, N, D // last, block_size, last]``), ``last = 32 bytes / itemsize``,
+    and slots must lie in ``[0, num_blocks * block_size - 1]``. ``"Norm"`` (or None)
+    takes ND caches ``[num_blocks, block_size, N, D]`` and skips ``-1`` slots
+    (vllm-ascend's padded rows). Slots must be unique either way.
     """
     op = "npu_scatter_pa_kv_cache"
     require(compress_lens is None and compress_seq_offsets is None and seq_lens is None, op,
-            "compressed scenario 3 is not emulated")
+            "compressed scenarios are not emulated")
+    require(cache_mode in (None, "Norm", "PA_NZ"), op, f"cache_mode must be 'PA_NZ', 'Norm' or None, got {cache_mode!r}")
     require(key.dim() == 3 and value.dim() == 3, op, f"key/value must be [T, N, D], got {tuple(key.shape)}")
-    require(key_cache.dim() == 4 and value_cache.dim() == 4, op, "key_cache/value_cache must be 4-D")
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("slot_mapping", slot_mapping)):
         require(t.is_contiguous(), op, f"{name} must be contiguous (the op takes no strided input)")
     require(key.dtype == value.dtype == key_cache.dtype == value_cache.dtype, op,
             f"key, value and caches must share one dtype, got {key.dtype}, {value.dtype}, {key_cache.dtype}, {value_cache.dtype}")
+    require(key.dtype in SCATTER_DTYPES, op,
+            f"Atlas A2/A3 take float16/bfloat16/int8 key/value (aclnnScatterPaKvCache), got {key.dtype}")
     require(slot_mapping.dtype in (torch.int32, torch.int64), op, f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
     require(key.shape[:2] == value.shape[:2], op, "key and value must agree on [T, N]")
-    num_blocks, block_size, heads, _ = key_cache.shape
-    require(tuple(key_cache.shape[2:]) == tuple(key.shape[1:]), op,
-            f"key [T, N, D] {tuple(key.shape)} does not fit key_cache [blocks, block_size, N, D] {tuple(key_cache.shape)}")
     require(slot_mapping.shape == (key.shape[0],), op, "slot_mapping must be [T]")
+    if cache_mode == "PA_NZ":
+        caches = [_nz_as_4d(op, x, c, name) for x, c, name in ((key, key_cache, "key"), (value, value_cache, "value"))]
+        num_blocks, block_size = caches[0].shape[0], caches[0].shape[2]
+    else:
+        require(key_cache.dim() == 4 and value_cache.dim() == 4, op, "key_cache/value_cache must be 4-D")
+        num_blocks, block_size = key_cache.shape[:2]
+        for x, c, name in ((key, key_cache, "key"), (value, value_cache, "value")):
+            require(tuple(c.shape[:2]) == (num_blocks, block_size) and tuple(c.shape[2:]) == tuple(x.shape[1:]), op,
+                    f"{name} [T, N, D] {tuple(x.shape)} does not fit {name}_cache [blocks, block_size, N, D] {tuple(c.shape)}")
     slots = slot_mapping.long()
+    if cache_mode != "PA_NZ":
+        keep = slots != -1  # "Norm" skips padded rows
+        slots, key, value = slots[keep], key[keep], value[keep]
     if slots.numel():
         require(int(slots.min()) >= 0 and int(slots.max()) < num_blocks * block_size, op,
-                f"slot_mapping values must lie in [0, {num_blocks * block_size - 1}]")
+                f"slot_mapping values must lie in [0, {num_blocks * block_size - 1}]"
+                + (" (cache_mode='PA_NZ' skips no -1 slots)" if cache_mode == "PA_NZ" else " or be -1"))
         require(slots.unique().numel() == slots.numel(), op, "slot_mapping values must be unique")
-    key_cache.view(-1, heads, key_cache.shape[-1]).index_copy_(0, slots, key)
-    value_cache.view(-1, heads, value_cache.shape[-1]).index_copy_(0, slots, value)
+    if cache_mode == "PA_NZ":
+        for x, c in zip((key, value), caches):
+            # NZ: token s's N*D values in chunks of `last`, chunk j at [block, j, offset, :].
+            rows = x.reshape(x.shape[0], c.shape[1], c.shape[3])
+            c[slots // block_size, :, slots % block_size, :] = rows
+        return
+    for x, c in ((key, key_cache), (value, value_cache)):
+        c.view(-1, *c.shape[2:]).index_copy_(0, slots, x)
+
+
+def _nz_as_4d(op: str, x: torch.Tensor, cache: torch.Tensor, name: str) -> torch.Tensor:
+    """An NZ cache as its 4-D view [num_blocks, N*D // last, block_size, last]; anything else is rejected."""
+    last = 32 // x.element_size()
+    heads, d = x.shape[1:]
+    shape = tuple(cache.shape)
+    nz4 = cache.dim() == 4 and shape[3] == last and shape[1] * last == heads * d
+    nz5 = cache.dim() == 5 and shape[4] == last and shape[1] == heads and shape[2] * last == d
+    require((nz4 or nz5) and (d * x.element_size()) % 32 == 0, op,
+            f"cache_mode='PA_NZ' (the default) takes an NZ {name}_cache [num_blocks, {heads * d // last}, block_size, "
+            f"{last}], got {shape}; an ND cache [num_blocks, block_size, N, D] needs cache_mode='Norm'")
+    return cache if nz4 else cache.view(shape[0], shape[1] * shape[2], shape[3], shape[4])
 
 
 def _paged_context(cache: torch.Tensor, table_row: torch.Tensor, kv_len: int, block_size: int, heads: int) -> torch.Tensor:
@@ -113,13 +158,14 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     require(num_heads % kv_heads == 0 and num_heads // kv_heads <= 64, op,
             f"num_heads {num_heads} must be a multiple of num_key_value_heads {kv_heads}, ratio <= 64")
     d = query.shape[2]
-    require(d % 16 == 0, op, f"head dim must be 16-aligned for float16/bfloat16, got {d}")
+    require(d in TND_HEAD_DIMS, op, f"TND without rope takes head dim 128 or 192, got {d}")
     _check_mask(op, atten_mask, sparse_mode)
     require(actual_seq_lengths is not None and actual_seq_lengths_kv is not None, op,
             "TND needs actual_seq_lengths and actual_seq_lengths_kv")
     q_ends = [int(x) for x in actual_seq_lengths]
     kv_lens = [int(x) for x in actual_seq_lengths_kv]
     batch = len(q_ends)
+    require(batch <= TND_MAX_BATCH, op, f"TND takes at most {TND_MAX_BATCH} batch entries, got {batch}")
     require(len(kv_lens) == batch, op, "actual_seq_lengths and actual_seq_lengths_kv must have one entry per batch")
     require(all(b >= a for a, b in zip([0] + q_ends, q_ends)), op, "actual_seq_lengths must be cumulative (non-decreasing)")
     require(not q_ends or q_ends[-1] == query.shape[0], op, f"actual_seq_lengths ends at {q_ends[-1:]} but query has {query.shape[0]} rows")
@@ -134,6 +180,11 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     require(key.shape == value.shape, op, "key and value shapes must match")
     need = max((-(-n // block_size) for n in kv_lens), default=0)
     require(block_table.shape[1] >= need, op, f"block_table has {block_table.shape[1]} columns, the longest entry needs {need}")
+    # PageAttention: the cache's block count bounds the blocks all entries read together
+    # (entries sharing blocks, e.g. a prefix, still count once each).
+    total = sum(-(-n // block_size) for n in kv_lens)
+    require(total <= key.shape[0], op, f"the batch entries read {total} blocks in all (sum of ceil(actual_seq_lengths_kv / "
+            f"block_size)), more than the cache's {key.shape[0]} blocks; split the batch into several calls")
 
     out = torch.zeros(query.shape, dtype=torch.float32)
     group = num_heads // kv_heads
