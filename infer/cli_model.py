@@ -23,6 +23,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization,
                    help="fraction of accelerator memory for weights, activations and KV cache")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-offload-bytes", type=int, default=0, metavar="BYTES",
+                   help="a second KV tier of this many bytes (all layers) under the device pool: prefix-cache blocks "
+                        "it evicts and swapped-out requests wait there (host memory; a memory-mapped file on the CPU "
+                        "backend); 0: none")
+    p.add_argument("--kv-offload-path", default=None, metavar="FILE",
+                   help="the file the host tier maps (default on the CPU backend: an unlinked temporary file)")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
+                   help="when the pool runs out: swap a request's blocks to the host tier (auto: if it holds a full "
+                        "block and the tier has room) or free them and recompute on resuming")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
@@ -70,7 +79,7 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
              "structured_outputs_backend", "reasoning_parser", "speculative_config",
              "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-             "master_addr", "master_port")
+             "master_addr", "master_port", "kv_offload_bytes", "kv_offload_path", "preemption_mode")
     return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
 
 

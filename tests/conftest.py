@@ -15,6 +15,7 @@ def leak_check():
         assert not engine.has_unfinished_requests(), "the test left requests in the engine"
         assert not engine.scheduler.has_unfinished_requests(), "the test left requests in the scheduler"
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
+        assert bm.tier is None or not bm.tier.owned, f"host-tier blocks of {sorted(bm.tier.owned)} leaked"
 
 
 def pytest_configure(config):

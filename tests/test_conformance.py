@@ -182,6 +182,24 @@ class CopiesNoBlocks(CpuRefBackend):
         pass
 
 
+class WritesBlocksReversed(CpuRefBackend):
+    name = "mutant"
+
+    def write_blocks(self, kv_cache, block_ids, data):
+        CpuRefBackend.write_blocks(self, kv_cache, np.asarray(block_ids)[::-1], data)
+
+
+class ReadsKeysOnly(CpuRefBackend):
+    """Round-trips exactly but keeps only K: its rows are half a block's bytes."""
+    name = "mutant"
+
+    def read_blocks(self, kv_cache, block_ids):
+        return CpuRefBackend.read_blocks(self, kv_cache[:1], block_ids)
+
+    def write_blocks(self, kv_cache, block_ids, data):
+        CpuRefBackend.write_blocks(self, kv_cache[:1], block_ids, data)
+
+
 MUTANTS = [
     (NoSlidingWindow, "attention", {"sliding_window8_gqa3_d64", "window_soft_cap_gqa8_d128"}),
     (NoSoftCap, "attention", {"soft_cap_gqa3_d64", "window_soft_cap_gqa8_d128"}),
@@ -198,6 +216,8 @@ MUTANTS = [
     (TakesDraftsAsOneHot, "sample", {"draft_probs_sampled", "draft_filters_bitmask"}),
     (ForgetsResidualSum, "rms_norm", {"residual_h64", "one_token"}),
     (CopiesNoBlocks, "copy_blocks", {"two_blocks"}),
+    (WritesBlocksReversed, "read_write_blocks", {"two_blocks", "swapped_blocks", "fp8_two_blocks"}),
+    (ReadsKeysOnly, "read_write_blocks", {"two_blocks", "swapped_blocks", "fp8_two_blocks", "no_blocks"}),
 ]
 
 

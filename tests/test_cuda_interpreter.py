@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 # Conformance split into groups of similar cost so xdist's two workers share it.
 GROUPS = {
     "attention": ["attention"],
-    "kv_write_moe": ["kv_write", "copy_blocks", "moe"],
+    "kv_write_moe": ["kv_write", "copy_blocks", "read_write_blocks", "moe"],
     # The row-wise kernels, and the primitives `cuda` takes from `torch` by declaration.
     "rowwise_and_fallbacks": ["rms_norm", "rotary", "act_and_mul", "embedding", "linear", "sample", "all_reduce",
                               "all_gather"],

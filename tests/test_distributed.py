@@ -156,13 +156,17 @@ def test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop(monkeypatc
 
     calls = []
     runner = SimpleNamespace(allocate_kv_caches=lambda n, b: calls.append(("kv", n, b)),
+                             allocate_kv_tier=lambda n, path: calls.append(("tier", n, path)),
                              release_kv_caches=lambda: calls.append(("release",)))
     monkeypatch.setattr(engine, "build_model", lambda *a, **k: SimpleNamespace(runner=runner))
     spec = {"engine_args": {"backend": "cpu_ref"}, "parallel": {}, "local_rank": 0, "rank": 1}
-    dist = Dist([("kv", 4, 16), ("release",), ("stop",), ("kv", 1, 1)])
+    dist = Dist([("kv", 4, 16, 0, None), ("kv", 4, 16, 8, "/x/tier"), ("release",), ("stop",), ("kv", 1, 1, 0, None)])
+    dist.config, dist.rank = SimpleNamespace(world_size=2), 1
     monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
     worker.run(spec)
-    assert calls == [("kv", 4, 16), ("release",)] and dist.closed and dist.messages == [("kv", 1, 1)]
+    # A rank's tier file is its own: the path gets the rank.
+    assert calls == [("kv", 4, 16), ("kv", 4, 16), ("tier", 8, "/x/tier.rank1"), ("release",)]
+    assert dist.closed and dist.messages == [("kv", 1, 1, 0, None)]
     dist = Dist([("bogus",)])
     monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
     with pytest.raises(RuntimeError, match="unknown message 'bogus'"):
@@ -794,3 +798,15 @@ def test_headless_is_refused_on_node_0_and_without_mp(monkeypatch):
             worker.run_headless(args)
     with pytest.raises(AssertionError, match="a rank was started"):  # node 1 of an mp job does start its ranks
         worker.run_headless(EngineArgs(**where, node_rank=1))
+
+
+def test_tp2_swapping_to_the_host_tier_generates_what_one_roomy_process_does(tiny_dirs):
+    """A pool too small for the batch: ranks swap their own KV shards to their own tier
+    stores (the ops travel with each step) and give the tokens of an unconstrained run."""
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 64, "block_size": 4}
+    [one] = generate(tiny_dirs["llama"], engine | {"num_gpu_blocks_override": 400}, max_tokens=16)
+    [two] = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2, "num_gpu_blocks_override": 16,
+                                                    "kv_offload_bytes": 1 << 22, "preemption_mode": "swap"},
+                     max_tokens=16)
+    assert_same_generation(one, two)
+    assert two["swapped_out"] > 0 and two["swapped_out"] == two["preemptions"] and one["preemptions"] == 0

@@ -256,7 +256,8 @@ def test_metrics_move_by_the_request(server):
         assert moved(f"infer:{h}_count") == 2, h
     assert moved("infer:inter_token_latency_seconds_count") == 12
     assert moved("infer:prefix_cache_queries_total") == 2 * n_prompt
-    assert moved("infer:prefix_cache_hits_total") == (n_prompt - 1) // 16 * 16
+    assert moved("infer:prefix_cache_hits_total", tier="device") == (n_prompt - 1) // 16 * 16
+    assert moved("infer:prefix_cache_hits_total", tier="host") == 0
     assert metric(after, "infer:generation_tokens_total", "tiny-b") == metric(before, "infer:generation_tokens_total",
                                                                              "tiny-b")
 

@@ -35,7 +35,9 @@ def test_gauges_follow_the_latest_snapshot_and_totals_count_increases():
     s = samples(m)
     a = (("model_name", "a"),)
     assert s[("infer:num_preemptions_total", a)] == 5
-    assert s[("infer:prefix_cache_queries_total", a)] == 90 and s[("infer:prefix_cache_hits_total", a)] == 48
+    assert s[("infer:prefix_cache_queries_total", a)] == 90
+    assert s[("infer:prefix_cache_hits_total", a + (("tier", "device"),))] == 48
+    assert s[("infer:prefix_cache_hits_total", a + (("tier", "host"),))] == 0
     assert s[("infer:num_requests_running", a)] == 0 and s[("infer:kv_cache_usage_perc", a)] == 0
 
 

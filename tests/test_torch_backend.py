@@ -168,6 +168,56 @@ def test_kv_write_scatters_in_place_and_skips_padding():
     assert int((cache != 0).flatten(2).any(-1).sum()) == 4  # K and V of two tokens, nothing for the -1 row
 
 
+# -- blocks to host bytes and back (KV offload, swap) -------------------------------
+def filled_cache(dtype: str, num_blocks=6, block_size=4, hk=2, d=8) -> torch.Tensor:
+    """A cache with every byte of every block random (fp8: every uint8 code, NaNs included)."""
+    g = torch.Generator().manual_seed(7)
+    cache = BACKEND.allocate_kv_cache(num_blocks, block_size, hk, d, dtype)
+    raw = torch.randint(0, 256, (cache.numel() * cache.element_size(),), dtype=torch.uint8, generator=g)
+    cache.view(torch.uint8).view(-1).copy_(raw)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
+def test_read_blocks_gives_host_uint8_rows_of_the_blocks_bytes(dtype):
+    cache = filled_cache(dtype)
+    data = BACKEND.read_blocks(cache, np.array([4, 1], np.int32))
+    block_bytes = BACKEND.kv_block_bytes(4, 2, 8, dtype)
+    assert isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.shape == (2, block_bytes)
+    assert block_bytes == cache.nbytes // 6 == 2 * 4 * 2 * 8 * {"bfloat16": 2, "fp8": 1, "float32": 4}[dtype]
+    # Row i holds block 4's, then block 1's, K then V, in the cache's own layout.
+    want = cache[:, [4, 1]].movedim(1, 0).contiguous().view(torch.uint8).reshape(2, -1)
+    assert np.array_equal(data, want.numpy())
+    cache.zero_()
+    assert data.any()  # a copy, not a view of the cache
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_blocks_written_back_reproduce_the_read_blocks_bytes_exactly(dtype):
+    cache = filled_cache(dtype)
+    before = cache.clone()
+    data = BACKEND.read_blocks(cache, np.array([0, 2, 5]))
+    BACKEND.write_blocks(cache, np.array([5, 3, 0]), data)  # 0 and 5 trade places, 2 lands on 3
+    want = before.clone()
+    want[:, [5, 3, 0]] = before[:, [0, 2, 5]]
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))  # bytes, so NaN codes and -0 count too
+
+
+def test_read_and_write_of_no_blocks_are_empty_and_change_nothing():
+    cache = filled_cache("bfloat16")
+    before = cache.clone()
+    data = BACKEND.read_blocks(cache, np.zeros(0, np.int64))
+    assert data.dtype == np.uint8 and data.shape == (0, BACKEND.kv_block_bytes(4, 2, 8, "bfloat16"))
+    BACKEND.write_blocks(cache, np.zeros(0, np.int64), data)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_write_blocks_refuses_bytes_of_another_cache_shape():
+    data = BACKEND.read_blocks(filled_cache("bfloat16", d=16), np.array([1]))
+    with pytest.raises(ValueError, match=r"uint8 bytes \[1, 256\].*got ndarray uint8 \(1, 512\)"):
+        BACKEND.write_blocks(filled_cache("bfloat16"), np.array([1]), data)
+
+
 # -- row-wise ops ------------------------------------------------------------------
 def test_rms_norm_with_residual_returns_the_rounded_sum():
     x, r, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(32)

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .kv_tier import TierIndex, TierOp
 from .request import Request
 
 
@@ -54,6 +55,8 @@ class Block:
     ref_cnt: int = 0
     # Set once the block is full and registered in the prefix cache.
     block_hash: bytes | None = None
+    # Copied back from the host tier and not yet hit: its first hit counts as the tier's.
+    from_tier: bool = False
 
 
 @dataclass(slots=True)
@@ -61,7 +64,8 @@ class PrefixCacheStats:
     """Prefix-cache lookups in tokens, counted once per admission of a request."""
 
     queries: int = 0
-    hits: int = 0
+    hits: int = 0  # all tiers
+    tier_hits: int = 0  # of `hits`, those copied back from the host tier
 
     @property
     def hit_rate(self) -> float:
@@ -71,7 +75,8 @@ class PrefixCacheStats:
 class BlockManager:
     """A pool of `num_blocks` KV blocks of `block_size` tokens each."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_tier_blocks: int = 0):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"BlockManager needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -91,6 +96,9 @@ class BlockManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
+        # The host tier (`kv_tier`): evicted prefix blocks and swapped-out requests.
+        self.tier = TierIndex(num_tier_blocks) if num_tier_blocks > 0 else None
+        self._tier_ops: list[TierOp] = []
 
     # -- usage ---------------------------------------------------------------
     @property
@@ -147,12 +155,32 @@ class BlockManager:
         if not self.enable_prefix_caching or request.request_id in self.req_to_blocks:
             return [], 0
         hit: list[int] = []
+        promoted: set[int] = set()
         for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
             block = self.cached_block_hash_to_block.get(h)
+            if block is None:
+                block = self._from_tier(h, promoted)
             if block is None:
                 break
             hit.append(block.block_id)
         return hit, len(hit) * self.block_size
+
+    def _from_tier(self, block_hash: bytes, promoted: set[int]) -> Block | None:
+        """Copy a prefix block back from the host tier into a free device block, cached
+        and free (a plain device hit from here on), or None if the tier lacks it or
+        the free blocks are all ones this lookup already brought back."""
+        if self.tier is None or block_hash not in self.tier.by_hash or not self.free_block_queue:
+            return None
+        if next(iter(self.free_block_queue)) in promoted:
+            return None  # taking one more would evict a block this lookup needs
+        block = self._pop_free_block(keep=frozenset((block_hash,)))
+        slot = self.tier.lookup(block_hash)
+        self._tier_ops.append(TierOp("in", block.block_id, slot))
+        block.ref_cnt, block.block_hash, block.from_tier = 0, block_hash, True
+        self.cached_block_hash_to_block[block_hash] = block
+        self.free_block_queue[block.block_id] = None  # most recently used end
+        promoted.add(block.block_id)
+        return block
 
     def cache_blocks(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache."""
@@ -198,6 +226,10 @@ class BlockManager:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit) * bs
         for block in hit:
+            if block.from_tier:
+                block.from_tier = False
+                self.prefix_cache_stats.tier_hits += bs
+        for block in hit:
             if block.ref_cnt == 0:
                 del self.free_block_queue[block.block_id]
             block.ref_cnt += 1
@@ -210,6 +242,46 @@ class BlockManager:
             blocks[i] = copy
         blocks.extend(self._pop_free_block() for _ in range(num_fresh))
         self._write_row(rid, first_changed)
+        return True
+
+    def pop_tier_ops(self) -> list[TierOp]:
+        """Copies between the device pool and the host tier decided since the last call,
+        in order; the engine performs them before the step's block copies and forward."""
+        ops, self._tier_ops = self._tier_ops, []
+        return ops
+
+    # -- swap preemption -----------------------------------------------------------
+    def is_swapped(self, request_id: str) -> bool:
+        return self.tier is not None and request_id in self.tier.owned
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self.tier.owned.get(request_id, ())) if self.tier is not None else 0
+
+    def swap_out(self, request_id: str) -> bool:
+        """Copy every block of the request to the tier and free them on the device;
+        False (nothing done) when the tier cannot hold them."""
+        blocks = self.req_to_blocks.get(request_id)
+        if self.tier is None or not blocks:
+            return False
+        slots = self.tier.take(request_id, len(blocks))
+        if slots is None:
+            return False
+        self._tier_ops.extend(TierOp("out", b.block_id, s) for b, s in zip(blocks, slots))
+        self._free_blocks(request_id)
+        return True
+
+    def swap_in(self, request_id: str) -> bool:
+        """Copy a swapped request's blocks back into free device blocks; False (nothing
+        done) when the pool has too few free blocks."""
+        slots = self.tier.owned[request_id]
+        if len(slots) > self.num_free_blocks:
+            return False
+        blocks = [self._pop_free_block() for _ in slots]
+        self._tier_ops.extend(TierOp("in", b.block_id, s) for b, s in zip(blocks, slots))
+        self.tier.release(request_id)
+        self.req_to_blocks[request_id] = blocks
+        self.num_cached_blocks[request_id] = 0  # registered again (as duplicates stay unnamed) as it goes on
+        self._write_row(request_id, 0)
         return True
 
     def pop_block_copies(self) -> list[tuple[int, int]]:
@@ -233,7 +305,12 @@ class BlockManager:
         self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
 
     def free(self, request_id: str) -> None:
-        """Release a request's blocks (no-op if it holds none)."""
+        """Release a request's blocks, on the device and in the tier (no-op if it holds none)."""
+        if self.tier is not None:
+            self.tier.release(request_id)
+        self._free_blocks(request_id)
+
+    def _free_blocks(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         self._rows.pop(request_id, None)
@@ -255,11 +332,18 @@ class BlockManager:
             # block may be reused before the engine would perform it.
             self._block_copies = [(s, d) for s, d in self._block_copies if d not in freed]
 
-    def _pop_free_block(self) -> Block:
+    def _pop_free_block(self, keep: frozenset = frozenset()) -> Block:
+        """The least recently used free block. A cached one leaves the prefix cache; with
+        a tier its contents go there first (the tier's LRU prefix blocks make room, but
+        not those in `keep`)."""
         block_id, _ = self.free_block_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict it from the prefix cache
+            if self.tier is not None:
+                slot = self.tier.put_hash(block.block_hash, keep)
+                if slot is not None:
+                    self._tier_ops.append(TierOp("out", block_id, slot))
             del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
+            block.block_hash, block.from_tier = None, False
         block.ref_cnt = 1
         return block

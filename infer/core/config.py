@@ -12,6 +12,7 @@ from typing import Literal
 
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
@@ -37,14 +38,19 @@ class CacheConfig:
                            `EngineArgs.kv_cache_memory`).
     enable_prefix_caching  reuse the KV of full blocks whose token prefix was
                            already computed (vLLM V1 turns it on by default).
+    num_tier_blocks        blocks of the host tier under the pool (`kv_tier`):
+                           evicted prefix blocks and swapped-out requests; 0: none.
     """
 
     block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    num_tier_blocks: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_tier_blocks < 0:
+            raise ValueError(f"CacheConfig.num_tier_blocks must be >= 0, got {self.num_tier_blocks}")
         _positive("CacheConfig.block_size", self.block_size)
         _positive("CacheConfig.num_blocks", self.num_blocks)
         _positive("CacheConfig.kv_cache_memory_bytes", self.kv_cache_memory_bytes)
@@ -102,6 +108,11 @@ class SchedulerConfig:
     priority_aging_s             with 'priority': waiting this many seconds is
                                  worth one priority level, so low priority cannot
                                  starve (see Scheduler); None or 0 disables aging.
+    preemption_mode              'recompute' (free the blocks, compute them again on
+                                 resuming), 'swap' (copy them to the host tier and
+                                 back; recompute when the tier is full) or 'auto'
+                                 (swap a request holding a full block when the tier
+                                 has room, recompute shorter ones).
     """
 
     max_num_seqs: int = 128
@@ -111,8 +122,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     priority_aging_s: float | None = 60.0
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _positive("SchedulerConfig.max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("SchedulerConfig.max_num_batched_tokens", self.max_num_batched_tokens, allow_none=False)
         _positive("SchedulerConfig.max_model_len", self.max_model_len)

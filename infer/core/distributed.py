@@ -98,6 +98,7 @@ class StepInput:
     sample_rows: np.ndarray
     meta: AttentionMetadata
     block_copies: tuple[tuple[int, int], ...] = ()
+    tier_ops: tuple = ()  # kv_tier.TierOp copies to and from the host tier, before the block copies
 
 
 @dataclass

@@ -85,6 +85,13 @@ class EngineArgs:
     enforce_eager: bool = False
     # Decode batch sizes to capture; None: 1, 2, 4, every multiple of 8, up to max_num_seqs.
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # A second KV tier under the device pool (core/kv_tier.py), in bytes over all layers (0: none):
+    # evicted prefix-cache blocks and swapped-out requests. Host memory; on the CPU backend a
+    # memory-mapped file, at kv_offload_path when given (a temporary file otherwise).
+    kv_offload_bytes: int = 0
+    kv_offload_path: str | None = None
+    # How a request gives up its blocks when the pool runs out: auto | recompute | swap.
+    preemption_mode: str = "auto"
     # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
     trace_dispatch: bool = False
     # Distributed serving (core/distributed.py, docs/distributed.md).
@@ -108,7 +115,7 @@ class EngineArgs:
 
 # What must be equal on every rank of a job (the rest is per rank or per node).
 _PER_RANK_ARGS = ("device", "show_progress", "node_rank", "skip_tokenizer_init", "trace_dispatch", "master_port",
-                  "data_parallel_rank")
+                  "data_parallel_rank", "kv_offload_path")
 
 
 @dataclass
@@ -161,7 +168,7 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
     stream, one before the last sends its own on; the last stage's logits go
     to the rank(s) that sample (`DistributedState.share_logits`)."""
     be = runner.backend
-    copy_blocks(runner, step.block_copies)
+    move_blocks(runner, step.tier_ops, step.block_copies)
     staged = dist is not None and dist.config.pipeline_parallel_size > 1
     carry = None
     if staged and not dist.is_first_stage:
@@ -175,6 +182,21 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
         dist.send_carry(out.carry)
     logits = dist.share_logits(be, out.logits, (len(step.sample_rows), runner.config.vocab_size))
     return dataclasses.replace(out, logits=logits, carry=None)
+
+
+def move_blocks(runner: ModelRunner, tier_ops, copies) -> None:
+    """A step's block moves before its forward: the copies to and from the host tier,
+    then the copy-on-write block copies."""
+    if tier_ops:
+        runner.kv_tier.apply(runner.backend, runner.kv_caches, tier_ops)
+    copy_blocks(runner, copies)
+
+
+def rank_path(path: str | None, dist: DistributedState | None) -> str | None:
+    """This rank's file of the host tier: ranks hold different KV shards."""
+    if path is None or dist is None or dist.config.world_size == 1:
+        return path
+    return f"{path}.rank{dist.rank}"
 
 
 def copy_blocks(runner: ModelRunner, copies) -> None:
@@ -261,15 +283,23 @@ class LLMEngine:
             enable_chunked_prefill=a.enable_chunked_prefill,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy,
+            preemption_mode=a.preemption_mode,
         )
         self.scheduler = Scheduler(sched, cache)
-        self._allocate_kv_caches(cache.num_blocks, cache.block_size)
+        self._allocate_kv_caches(cache.num_blocks, cache.block_size, cache.num_tier_blocks, a.kv_offload_path)
         tokens = cache.num_blocks * cache.block_size
         logging.getLogger("infer").info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency for %d-token requests: "
             "%.2fx", cache.num_blocks, cache.block_size, tokens,
             cache.num_blocks * self.runner.kv_cache_bytes_per_block(cache.block_size) / 2**20, self.max_model_len,
             tokens / self.max_model_len)
+        if cache.num_tier_blocks:
+            store = self.runner.kv_tier
+            logging.getLogger("infer").info(
+                "KV host tier: %d blocks = %d tokens (%.1f MiB, %s); preemption mode %s", cache.num_tier_blocks,
+                cache.num_tier_blocks * cache.block_size, store.nbytes / 2**20,
+                f"memory-mapped file {store.path}" if store.path else "memory-mapped temporary file"
+                if isinstance(store.data, np.memmap) else "host memory", a.preemption_mode)
         if self.dist is not None and not a.enforce_eager:
             logging.getLogger("infer").info("decode graphs are not captured with tensor parallelism yet; "
                                             "every step runs eagerly")
@@ -309,9 +339,12 @@ class LLMEngine:
         except Exception as exc:
             raise d.lost(exc) from exc
 
-    def _allocate_kv_caches(self, num_blocks: int, block_size: int) -> None:
-        self._to_workers(("kv", num_blocks, block_size))
+    def _allocate_kv_caches(self, num_blocks: int, block_size: int, tier_blocks: int = 0,
+                            tier_path: str | None = None) -> None:
+        self._to_workers(("kv", num_blocks, block_size, tier_blocks, tier_path))
         self.runner.allocate_kv_caches(num_blocks, block_size)
+        if tier_blocks:
+            self.runner.allocate_kv_tier(tier_blocks, rank_path(tier_path, self.dist))
 
     def _release_kv_caches(self) -> None:
         self._to_workers(("release",))
@@ -371,9 +404,15 @@ class LLMEngine:
             layers = max(b - a for a, b in (distributed.stage_layers(cfg.num_layers, s, self.parallel.pipeline_parallel_size)
                                             for s in range(self.parallel.pipeline_parallel_size)))
             per_token = per_token * most * layers // (self.runner.num_kv_heads * len(self.runner.layers))
+        if a.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {a.kv_offload_bytes}")
+        tier = a.kv_offload_bytes // (per_token * block_size)
+        if a.kv_offload_bytes and not tier:
+            raise ValueError(f"kv_offload_bytes={a.kv_offload_bytes} holds no KV block of {block_size} tokens "
+                             f"({per_token * block_size} bytes); raise it or pass 0 for no host tier")
         if a.num_gpu_blocks_override:
             return CacheConfig(block_size, num_blocks=a.num_gpu_blocks_override,
-                               enable_prefix_caching=a.enable_prefix_caching).resolve(block_size)
+                               enable_prefix_caching=a.enable_prefix_caching, num_tier_blocks=tier).resolve(block_size)
         kv_bytes = a.kv_cache_memory or self._kv_budget(a, per_token, block_size)
         # At least one full context, or the scheduler could never finish a long request.
         floor = per_token * (self.max_model_len + block_size)
@@ -383,8 +422,8 @@ class LLMEngine:
                 "token); the KV cache is %.1f MiB instead. Lower max_model_len for a smaller cache",
                 a.kv_cache_memory / 2**20, self.max_model_len, per_token, floor / 2**20)
         kv_bytes = max(kv_bytes, floor)
-        return CacheConfig(block_size, kv_cache_memory_bytes=kv_bytes,
-                           enable_prefix_caching=a.enable_prefix_caching).resolve(block_size, per_token)
+        return CacheConfig(block_size, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching,
+                           num_tier_blocks=tier).resolve(block_size, per_token)
 
     def _kv_budget(self, a: EngineArgs, per_token: int, block_size: int) -> int:
         """KV pool bytes when the user gave none: on host memory, enough for
@@ -634,14 +673,14 @@ class LLMEngine:
         be = self.backend
         mi = out.model_input()
         graphs, meta = self.decode_graphs, mi.attn_metadata
-        copies = tuple(out.block_copies)
+        copies, tier_ops = tuple(out.block_copies), tuple(out.tier_ops)
         if graphs is not None and graphs.can_replay(meta):
-            copy_blocks(self.runner, copies)
+            move_blocks(self.runner, tier_ops, copies)
             forward = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's logits
             if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
                 forward = dataclasses.replace(forward, logits=forward.logits[be.asarray(mi.logits_indices)])
             return _Launched(out, mi, forward)
-        step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies)
+        step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies, tier_ops)
         if not self._pipelined:
             return _Launched(out, mi, self._execute(step))
         return _Launched(out, mi, self._execute(step, wait_logits=False), (len(mi.logits_indices), self.vocab_size))

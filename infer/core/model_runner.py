@@ -63,6 +63,7 @@ class ModelRunner:
         # KV caches exist for these only, in this order.
         self.layers = sorted({n.layer for n in program.graph.nodes if n.op == "attention"})
         self.kv_caches: list[Any] = []
+        self.kv_tier = None  # the host tier's store (`allocate_kv_tier`), when the engine has one
         self.contexts: dict[int, LayerContext] = {}
         # The program's results: logits, or on a stage before the last what the next stage needs.
         self.outputs = ("logits",) if any(n.op == "lm_head" for n in program.graph.nodes) else CARRIED
@@ -210,8 +211,19 @@ class ModelRunner:
         self._steps = [self._bind(c, fast) for c in self.program.calls]
         self._validated = False
 
+    def allocate_kv_tier(self, num_blocks: int, path: str | None = None) -> None:
+        """The host tier's store for this rank's layers (`kv_tier.TierStore`), sized by
+        what the backend's `read_blocks` gives per block; a memory-mapped file on a
+        host-memory backend or when `path` names one."""
+        from .kv_tier import TierStore
+
+        block_bytes = int(self.backend.read_blocks(self.kv_caches[0], np.zeros(0, np.int64)).shape[1])
+        on_host = str(getattr(self.backend, "device", "cpu") or "cpu").startswith("cpu")
+        self.kv_tier = TierStore(len(self.kv_caches), num_blocks, block_bytes, path, mapped=on_host)
+
     def release_kv_caches(self) -> None:
         self.kv_caches, self.contexts, self._steps, self._checked_steps = [], {}, [], []
+        self.kv_tier = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config

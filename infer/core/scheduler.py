@@ -59,6 +59,12 @@ class SchedulerStats:
     kv_cache_usage: float
     prefix_cache: PrefixCacheStats
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # the engine's, when it speculates
+    num_swapped_out: int = 0  # preemptions by swapping to the host tier (of num_preemptions)
+    num_swapped: int = 0  # requests waiting with their blocks in the tier
+    tier_blocks: int = 0  # the host tier's size in blocks (0: no tier)
+    tier_used_blocks: int = 0
+    # Allocated but unused token slots over allocated slots, in the blocks running requests hold, percent.
+    kv_cache_fragmentation_perc: float = 0.0
 
 
 class Scheduler:
@@ -71,7 +77,8 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.block_size = bs = cache_config.block_size
-        self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching,
+                                          cache_config.num_tier_blocks)
         # Unset (no model to ask): the longest context the pool, and without
         # chunking one step's budget, can hold.
         self.max_model_len = scheduler_config.max_model_len or cache_config.num_blocks * bs
@@ -99,6 +106,7 @@ class Scheduler:
         self._busy: set[RequestId] = set()
         self._step_forks: list[ScheduledRequest] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # of the preemptions, those by swapping
 
     # -- requests in and out ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -178,8 +186,25 @@ class Scheduler:
             num_used_blocks=bm.num_used_blocks,
             num_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage,
-            prefix_cache=PrefixCacheStats(bm.prefix_cache_stats.queries, bm.prefix_cache_stats.hits),
+            prefix_cache=PrefixCacheStats(bm.prefix_cache_stats.queries, bm.prefix_cache_stats.hits,
+                                          bm.prefix_cache_stats.tier_hits),
+            num_swapped_out=self.num_swapped_out,
+            num_swapped=len(bm.tier.owned) if bm.tier is not None else 0,
+            tier_blocks=bm.tier.num_slots if bm.tier is not None else 0,
+            tier_used_blocks=bm.tier.num_used if bm.tier is not None else 0,
+            kv_cache_fragmentation_perc=self._fragmentation(),
         )
+
+    def _fragmentation(self) -> float:
+        """Percent of the token slots in running requests' blocks that hold no token
+        (the tail of each request's last block, and blocks allocated ahead)."""
+        bm, bs = self.block_manager, self.block_size
+        allocated = used = 0
+        for req in self.running:
+            n = len(bm.req_to_blocks.get(req.request_id, ()))
+            allocated += n * bs
+            used += min(n * bs, req.num_tokens)
+        return 100.0 * (allocated - used) / allocated if allocated else 0.0
 
     # -- the step ------------------------------------------------------------------
     def schedule(self, max_num_seqs: int | None = None) -> SchedulerOutput:
@@ -220,12 +245,22 @@ class Scheduler:
         while (self.waiting and not preempted and not blocked and budget > 0 and len(self.running) < cfg.max_num_seqs
                and len(num_new) < cap):
             req = self.waiting[0][-1]
-            hit_block_ids, num_hit = bm.get_computed_blocks(req)
-            n = self._num_new_tokens(req, num_hit, budget)
-            if not cfg.enable_chunked_prefill and n < req.num_tokens - num_hit:
-                break  # the whole prompt must fit one step
-            if not bm.allocate_slots(req, n, hit_block_ids):
-                break  # backpressure: it waits at the head until blocks free up
+            if bm.is_swapped(req.request_id):  # preempted by swapping: its blocks come back, nothing recomputed
+                num_hit = req.num_computed_tokens
+                n = self._num_new_tokens(req, num_hit, budget)
+                held = bm.num_swapped_blocks(req.request_id)
+                if held + max(0, -(-(num_hit + n) // self.block_size) - held) > bm.num_free_blocks:
+                    break  # backpressure, as below
+                bm.swap_in(req.request_id)
+                allocated = bm.allocate_slots(req, n)
+                assert allocated, "room was checked above"
+            else:
+                hit_block_ids, num_hit = bm.get_computed_blocks(req)
+                n = self._num_new_tokens(req, num_hit, budget)
+                if not cfg.enable_chunked_prefill and n < req.num_tokens - num_hit:
+                    break  # the whole prompt must fit one step
+                if not bm.allocate_slots(req, n, hit_block_ids):
+                    break  # backpressure: it waits at the head until blocks free up
             heapq.heappop(self.waiting)
             req.status, req.num_computed_tokens = RequestStatus.RUNNING, num_hit
             self.running.append(req)
@@ -234,7 +269,9 @@ class Scheduler:
 
         scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in num_new.items()]
         finished, self._finished_ids = self._finished_ids, []
-        output = SchedulerOutput(scheduled, bm.pop_block_copies(), preempted, finished, self.block_size)
+        # Tier copies wait for a step that runs: a block brought back must be filled before any forward reads it.
+        tier_ops = bm.pop_tier_ops() if scheduled else []
+        output = SchedulerOutput(scheduled, bm.pop_block_copies(), preempted, finished, self.block_size, tier_ops)
         if not self._pending:
             self._step_forks = []
         if scheduled:  # an empty step has nothing to come back
@@ -339,11 +376,24 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.block_manager.free(req.request_id)
-        req.status, req.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        if not self._swap_out(req):
+            self.block_manager.free(req.request_id)
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(req)
+
+    def _swap_out(self, req: Request) -> bool:
+        """Preempt by swapping where the mode asks for it and the tier has room: the
+        request keeps its computed tokens, their KV waits in the tier."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or (mode == "auto" and req.num_computed_tokens < self.block_size):
+            return False
+        if self.block_manager.swap_out(req.request_id):
+            self.num_swapped_out += 1
+            return True
+        return False
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:

@@ -80,6 +80,9 @@ class SchedulerOutput:
     finished_request_ids   requests finished or aborted since the previous step,
                            so per-request state elsewhere can be dropped.
     block_size             tokens per KV block.
+    tier_ops               copies between the device pool and the host tier
+                           (`kv_tier.TierOp`), in order, performed before the
+                           block copies and the forward pass.
     """
 
     scheduled: list[ScheduledRequest]
@@ -87,6 +90,7 @@ class SchedulerOutput:
     preempted_request_ids: list[RequestId]
     finished_request_ids: list[RequestId]
     block_size: int
+    tier_ops: list = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

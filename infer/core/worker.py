@@ -21,7 +21,7 @@ def run(spec: dict) -> None:
     from ..dispatch import Ops
     from . import distributed
     from .distributed import ParallelConfig
-    from .engine import _PER_RANK_ARGS, EngineArgs, build_model, execute_step, rank_backend
+    from .engine import _PER_RANK_ARGS, EngineArgs, build_model, execute_step, rank_backend, rank_path
 
     args = EngineArgs(**spec["engine_args"])
     args = dataclasses.replace(args, show_progress=False)
@@ -40,6 +40,8 @@ def run(spec: dict) -> None:
                 execute_step(runner, message[1], dist)
             elif kind == "kv":
                 runner.allocate_kv_caches(message[1], message[2])
+                if message[3]:
+                    runner.allocate_kv_tier(message[3], rank_path(message[4], dist))
             elif kind == "release":
                 runner.release_kv_caches()
             elif kind == "stop":

@@ -10,6 +10,7 @@ optional-by-monkey-patch: overrides are methods, found by name.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -179,6 +180,40 @@ class Backend(ABC):
         if len(src):
             kv_cache[:, self.asarray(np.asarray(dst))] = kv_cache[:, self.asarray(np.asarray(src))]
 
+    def read_blocks(self, kv_cache: Any, block_ids: np.ndarray) -> np.ndarray:
+        """The stored bytes of whole blocks `block_ids` of one layer's cache, as a
+        host uint8 array ``[len(block_ids), block_bytes]`` (K and V together, in
+        this backend's layout and storage dtype: opaque to the core, which keeps
+        them in a host tier for prefix-cache offload and swap preemption).
+
+        A blocking copy: the result is complete, and owns its memory, when it
+        returns. The default fits a NumPy cache in the default layout (block axis 1).
+        """
+        cache = np.asarray(kv_cache)
+        ids = np.asarray(block_ids, dtype=np.intp)
+        # Fancy indexing copies, so the result never aliases the cache.
+        blocks = np.ascontiguousarray(np.moveaxis(cache[:, ids], 1, 0))
+        return blocks.view(np.uint8).reshape(len(ids), _block_bytes(cache))
+
+    def write_blocks(self, kv_cache: Any, block_ids: np.ndarray, data: np.ndarray) -> None:
+        """Put bytes `read_blocks` returned (this backend, same cache shape) into
+        blocks `block_ids` (any ids, ``data[i]`` into ``block_ids[i]``): a read
+        then a write reproduces the blocks exactly."""
+        cache = np.asarray(kv_cache)
+        ids = np.asarray(block_ids, dtype=np.intp)
+        check_block_data(data, len(ids), _block_bytes(cache))
+        if len(ids):
+            block_shape = (cache.shape[0], *cache.shape[2:])
+            blocks = np.ascontiguousarray(data).view(cache.dtype).reshape(len(ids), *block_shape)
+            cache[:, ids] = np.moveaxis(blocks, 0, 1)
+
+    def kv_block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+        """Bytes one block of one layer's cache occupies in this backend's storage
+        (``dtype``: a float dtype name or 'fp8'): the width of `read_blocks`' rows,
+        for sizing a host tier. The default measures a one-block cache."""
+        cache = self.allocate_kv_cache(1, block_size, num_kv_heads, head_dim, dtype)
+        return int(self.read_blocks(cache, np.zeros(0, np.int64)).shape[1])
+
     def plan_attention(self, meta: AttentionMetadata) -> AttentionPlan | None:
         """This backend's plan of a step's attention, from the step's host
         metadata (NumPy arrays: no device sync), or None (the default).
@@ -246,3 +281,16 @@ class Backend(ABC):
         the iterable of sizes (a progress bar).
         """
         return None
+
+
+def check_block_data(data: np.ndarray, num_blocks: int, block_bytes: int) -> None:
+    """Raise unless `data` is what `read_blocks` returns for `num_blocks` blocks of `block_bytes`."""
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (num_blocks, block_bytes):
+        got = f"{type(data).__name__} {getattr(data, 'dtype', '')} {tuple(getattr(data, 'shape', ()))}"
+        raise ValueError(f"write_blocks takes host uint8 bytes [{num_blocks}, {block_bytes}] as read_blocks "
+                         f"returns them (same backend, same cache shape), got {got}")
+
+
+def _block_bytes(cache: np.ndarray) -> int:
+    """Bytes per block of a NumPy cache whose block axis is 1."""
+    return math.prod((cache.shape[0], *cache.shape[2:])) * cache.itemsize

@@ -8,14 +8,25 @@ itself does not.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from .backend import Backend
+from .backend import Backend, check_block_data
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_storage_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype a KV cache of `dtype` (a float dtype name or 'fp8') is stored in."""
+    return torch.uint8 if dtype == "fp8" else TORCH_DTYPES[dtype]  # fp8: e4m3fn codes
+
+
+def _block_bytes(kv_cache: torch.Tensor) -> int:
+    """Bytes per block of a cache whose block axis is 1."""
+    return math.prod((kv_cache.shape[0], *kv_cache.shape[2:])) * kv_cache.element_size()
 
 
 class TorchTensors(Backend):
@@ -42,8 +53,28 @@ class TorchTensors(Backend):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> torch.Tensor:
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        storage = torch.uint8 if dtype == "fp8" else TORCH_DTYPES[dtype]  # fp8: e4m3fn codes
-        return torch.zeros(shape, dtype=storage, device=self.device)
+        return torch.zeros(shape, dtype=kv_storage_dtype(dtype), device=self.device)
+
+    def kv_block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+        # Arithmetic, not a measured allocation: an fp8 cache may be placed here
+        # (uint8 codes) for a fallback's kv_write by a backend that allocates no fp8.
+        numel = math.prod(self.kv_cache_shape(1, block_size, num_kv_heads, head_dim))
+        return numel * kv_storage_dtype(dtype).itemsize
+
+    def read_blocks(self, kv_cache: torch.Tensor, block_ids: np.ndarray) -> np.ndarray:
+        ids = torch.from_numpy(np.asarray(block_ids, dtype=np.int64)).to(kv_cache.device)
+        # [n, 2, block_size, Hk, D] contiguous, then its bytes: bfloat16 has no NumPy dtype.
+        blocks = kv_cache.index_select(1, ids).movedim(1, 0).contiguous()
+        return blocks.view(torch.uint8).reshape(len(ids), _block_bytes(kv_cache)).cpu().numpy()
+
+    def write_blocks(self, kv_cache: torch.Tensor, block_ids: np.ndarray, data: np.ndarray) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        check_block_data(data, len(ids), _block_bytes(kv_cache))
+        if len(ids):
+            raw = torch.from_numpy(np.ascontiguousarray(data)).to(kv_cache.device)
+            block_shape = (kv_cache.shape[0], *kv_cache.shape[2:])
+            blocks = raw.view(kv_cache.dtype).reshape(len(ids), *block_shape)
+            kv_cache[:, torch.from_numpy(ids).to(kv_cache.device)] = blocks.movedim(0, 1)
 
     def kv_cache_to_numpy(self, kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
         if kv_cache.dtype == torch.uint8:  # fp8 codes as their (unscaled) values

@@ -37,12 +37,21 @@ GAUGES = (
     Family("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
            lambda s: s.num_waiting),
     Family("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", lambda s: s.kv_cache_usage),
+    Family("kv_cache_fragmentation_perc", "Allocated but unused token slots over allocated slots in the blocks "
+           "running requests hold, percent.", lambda s: s.kv_cache_fragmentation_perc),
+    Family("num_requests_swapped", "Preempted requests whose KV waits in the host tier.", lambda s: s.num_swapped),
+    Family("kv_offload_usage_perc", "Fraction of the host KV tier's blocks in use (0 without a tier).",
+           lambda s: s.tier_used_blocks / s.tier_blocks if s.tier_blocks else 0.0),
 )
+# Prefix-cache hits by the tier they were found in: device (the KV pool) or host (copied back).
+TIERS = (("device", lambda s: s.prefix_cache.hits - s.prefix_cache.tier_hits),
+         ("host", lambda s: s.prefix_cache.tier_hits))
 # Cumulative totals of the scheduler, exported as counters by their increase.
 TOTALS = (
     Family("num_preemptions", "Requests preempted (their KV dropped) since start.", lambda s: s.num_preemptions),
     Family("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache.queries),
-    Family("prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache.hits),
+    Family("num_preemptions_swapped", "Of the preemptions, those whose KV went to the host tier.",
+           lambda s: s.num_swapped_out),
     Family("spec_decode_num_drafts", "Request-steps that verified speculative drafts.",
            lambda s: s.spec_decode.num_drafts),
     Family("spec_decode_num_draft_tokens", "Speculative tokens drafted and verified.",
@@ -83,6 +92,8 @@ class Metrics:
         self._counters = [(f, Counter(PREFIX + f.name, f.doc, key, registry=reg)) for f in COUNTERS]
         self._histograms = [(f, Histogram(PREFIX + f.name, f.doc, key, buckets=b, registry=reg))
                             for f, b in HISTOGRAMS]
+        self._hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache, by tier.",
+                             key + ["tier"], registry=reg)
         self._accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                          "Speculative tokens accepted at each draft position (0 first).",
                                          key + ["position"], registry=reg)
@@ -104,6 +115,8 @@ class Metrics:
         seen_experts: list = [None]  # the previous snapshot's counts
         for _, m in self._gauges + self._totals + self._counters + self._histograms:
             m.labels(*key)  # so every series exists (at 0) before the first request
+        for tier, _ in TIERS:
+            self._hits.labels(*key, tier)
 
         def record(stats: SchedulerStats, it: IterationStats | None) -> None:
             for f, g in self._gauges:
@@ -113,6 +126,11 @@ class Metrics:
                 if v > prev:
                     c.labels(*key).inc(v - prev)
                 last[f.name] = v
+            for tier, read in TIERS:
+                v, prev = read(stats), last.get(f"hits_{tier}", 0)
+                if v > prev:
+                    self._hits.labels(*key, tier).inc(v - prev)
+                last[f"hits_{tier}"] = v
             for pos, v in enumerate(stats.spec_decode.accepted_per_position):
                 prev = last.get(f"accepted_pos{pos}", 0)
                 if v > prev:

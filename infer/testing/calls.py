@@ -156,6 +156,40 @@ def call_copy_blocks(h: Harness, x: dict) -> None:
     _cache_outputs(h, cache, x["cache_shape"])
 
 
+def call_read_write_blocks(h: Harness, x: dict) -> None:
+    """Blocks `src` read to host bytes and written to blocks `dst`: the cache must
+    end as if copied src -> dst, with bytes of the width the cache stores per block."""
+    cache, owner = _allocate(h, x)
+    dtype = _cache_dtype(x)
+    h.call("kv_write", helper=True, kv_cache_dtype=dtype, k=h.f(x["k"]), v=h.f(x["v"]), kv_cache=cache,
+           slot_mapping=h.i(x["slot_mapping"]), scales=x["kv_scales"])
+    # Copies: a CPU cache's kv_cache_to_numpy may be a view, which the write would change.
+    before = [np.array(c, dtype=np.float32) for c in owner.kv_cache_to_numpy(cache)]
+    # Plumbing, not a primitive: the backend that owns the device and the cache (as the engine calls it).
+    h.provider = h.backend.name
+    num_blocks, block_size, hk, d = x["cache_shape"]
+    stored = int(cache.nbytes) // num_blocks
+    declared = h.backend.kv_block_bytes(block_size, hk, d, "fp8" if dtype == "fp8" else h.dtype)
+    if declared != stored:
+        h.problems.append(f"kv_block_bytes gave {declared}, but the cache stores {stored} bytes per block")
+    data = h.backend.read_blocks(cache, x["src"])
+    want = (len(x["src"]), stored)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != want:
+        h.problems.append(f"read_blocks gave {type(data).__name__} {getattr(data, 'dtype', '')} "
+                          f"{tuple(getattr(data, 'shape', ()))}, expected host uint8 {want}")
+        return
+    h.backend.write_blocks(cache, x["dst"], data)
+    _cache_outputs(h, cache, x["cache_shape"], owner)
+    # Exact, not within tolerance: the bytes came back unchanged, and nothing else moved.
+    if not np.array_equal(h.backend.read_blocks(cache, x["dst"]), data):
+        h.problems.append("read_blocks of the written blocks differs from the bytes written")
+    for name, b in zip(("k_cache", "v_cache"), before):
+        b[x["dst"]] = b[x["src"]]
+        if not np.array_equal(h.outputs[name], b):
+            h.problems.append(f"{name} after the round trip is not the cache with blocks {list(x['src'])} "
+                              f"copied to {list(x['dst'])}")
+
+
 def call_attention(h: Harness, x: dict) -> None:
     cache, _ = _allocate(h, x)
     scales, dtype = x.get("kv_scales"), _cache_dtype(x)

@@ -23,9 +23,10 @@ from . import inputs as make
 
 SHORT_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 COLLECTIVES = ("all_reduce", "all_gather")
-# The primitives plus the one piece of cache plumbing the core relies on
-# whose correctness depends on the backend's KV layout.
-CHECKED = (*PRIMITIVES, "copy_blocks")
+# The primitives plus the cache plumbing the core relies on whose correctness
+# depends on the backend's KV layout: block copies on the device, and whole
+# blocks read to host bytes and written back (read_blocks / write_blocks).
+CHECKED = (*PRIMITIVES, "copy_blocks", "read_write_blocks")
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,13 @@ def all_cases(block_size: int = 16) -> list[Case]:
     cases += _each_dtype("kv_write", _kv_write_specs(block_size))
     cases += _each_dtype("attention", _attention_specs(block_size))
     cases += _each_dtype("copy_blocks", [("two_blocks", dict(src=[1, 3], dst=[4, 0])), ("no_blocks", dict(src=[], dst=[]))])
+    cases += _each_dtype("read_write_blocks", [
+        ("two_blocks", dict(src=[1, 3], dst=[4, 0])),
+        # Read completes before the write: a swap through the host needs no scratch block.
+        ("swapped_blocks", dict(src=[1, 3], dst=[3, 1])),
+        ("fp8_two_blocks", dict(src=[2, 0], dst=[1, 4], kv_scales=(0.5, 2.0))),
+        ("no_blocks", dict(src=[], dst=[])),
+    ])
     cases += _each_dtype("moe", [
         ("top1_renorm", dict(top_k=1, renormalize=True)), ("top1", dict(top_k=1, renormalize=False)),
         ("top2_renorm", dict(top_k=2, renormalize=True)), ("top2", dict(top_k=2, renormalize=False)),

@@ -95,6 +95,11 @@ def copy_blocks(rng, dtype, src, dst, hk=2, d=64, block_size=16, num_blocks=5):
     }
 
 
+def read_write_blocks(rng, dtype, src, dst, kv_scales=None, **shape):
+    """`copy_blocks`' cache, every slot written, and an fp8 cache's `kv_scales`."""
+    return {**copy_blocks(rng, dtype, src, dst, **shape), "kv_scales": kv_scales}
+
+
 def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0,
               kv_scales=None):
     """A paged batch: `reqs` is (q_len, seq_len) per request; (1, 0) is a
@@ -297,5 +302,5 @@ def all_gather(rng, dtype, dim):
 BUILDERS: dict[str, Any] = {
     name: globals()[name]
     for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "moe",
-                 "sample", "all_reduce", "all_gather", "copy_blocks")
+                 "sample", "all_reduce", "all_gather", "copy_blocks", "read_write_blocks")
 }

@@ -27,6 +27,8 @@ def main() -> None:
     result = {"rank": int(os.environ.get("RANK", 0)),
               "tokens": [o.outputs[0].token_ids for o in outs],
               "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs] for o in outs]}
+    stats = llm.engine.scheduler.get_stats()
+    result["preemptions"], result["swapped_out"] = stats.num_preemptions, stats.num_swapped_out
     if spec.get("weight_bytes"):
         from infer.bench.runners import held_bytes
 
