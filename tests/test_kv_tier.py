@@ -160,3 +160,51 @@ def test_store_batches_ops_in_order_without_repeating_a_block_or_slot():
     store.apply(Fake(), [cache], ops)
     assert [bytes(r) for r in cache] == [bytes(want[1]), bytes(want[1]), bytes(want[0])]
     assert [bytes(r) for r in store.data[0]] == [bytes(want[0]), bytes(want[2])]
+
+
+def _fill(bm, rid, tokens, computed=None):
+    req = Request(rid, tokens, SamplingParams(max_tokens=1))
+    hit, n = bm.get_computed_blocks(req)
+    assert bm.allocate_slots(req, len(tokens) - n, hit)
+    req.num_computed_tokens = len(tokens) if computed is None else computed
+    bm.cache_blocks(req)
+    return req
+
+
+def test_a_lookup_never_evicts_a_free_block_it_already_hit_to_bring_one_back():
+    """h1 still on the device (at the front of the free queue), h2 only in the tier: bringing
+    h2 back must take another block, not h1's."""
+    bm = BlockManager(6, 2, enable_prefix_caching=True, num_tier_blocks=8)
+    a = _fill(bm, "a", [1, 2, 3, 4])  # h1 -> block 0, h2 -> block 1
+    bm.free("a")
+    _fill(bm, "b", list(range(10, 20)))  # five blocks: h2's block among those taken, h2 to the tier
+    bm.free("b")
+    bm.pop_tier_ops()
+    c = Request("c", [1, 2, 3, 4, 7], SamplingParams(max_tokens=1))
+    hit, n = bm.get_computed_blocks(c)
+    assert n == 4 and len(set(hit)) == 2
+    assert bm.blocks[hit[0]].block_hash == bm.block_hashes(a, 1)[0]
+    assert bm.blocks[hit[1]].block_hash == bm.block_hashes(a, 2)[1]
+    ins = [op for op in bm.pop_tier_ops() if op.kind == "in"]
+    assert [op.block for op in ins] == [hit[1]]
+
+
+def test_swapping_out_a_request_mid_copy_on_write_saves_the_copy_source():
+    """A fork's writer moved off a shared partial block this step (copy pending) and is then
+    swapped out: the tier must get the source block's contents, not the unfilled copy."""
+    from infer.core.request import Request as R
+
+    bm = BlockManager(8, 4, enable_prefix_caching=True, num_tier_blocks=8)
+    parent = _fill(bm, "p", [1, 2, 3, 4, 5, 6])  # blocks 0 (full) and 1 (partial, shared below)
+    bm.fork("p", "c")
+    child = R("c", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=2))
+    child.num_computed_tokens = 6
+    assert bm.allocate_slots(child, 1)  # writes into the shared partial block: copy (1 -> new)
+    [(src, dst)] = bm._block_copies
+    assert bm.swap_out("c")
+    outs = [op for op in bm.pop_tier_ops() if op.kind == "out"]
+    assert [op.block for op in outs] == [bm.get_block_ids("p")[0], src]
+    bm.free("p")
+    bm.free("c")
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tier.owned
+    del parent

@@ -155,23 +155,27 @@ class BlockManager:
         if not self.enable_prefix_caching or request.request_id in self.req_to_blocks:
             return [], 0
         hit: list[int] = []
-        promoted: set[int] = set()
+        held: set[int] = set()  # free blocks this lookup hit: a copy back from the tier must not take them
         for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
             block = self.cached_block_hash_to_block.get(h)
             if block is None:
-                block = self._from_tier(h, promoted)
+                block = self._from_tier(h, held)
+            elif block.ref_cnt == 0 and self.tier is not None:
+                self.free_block_queue.move_to_end(block.block_id)  # used now: last in line for eviction
+                held.add(block.block_id)
             if block is None:
                 break
             hit.append(block.block_id)
         return hit, len(hit) * self.block_size
 
-    def _from_tier(self, block_hash: bytes, promoted: set[int]) -> Block | None:
+    def _from_tier(self, block_hash: bytes, held: set[int]) -> Block | None:
         """Copy a prefix block back from the host tier into a free device block, cached
         and free (a plain device hit from here on), or None if the tier lacks it or
-        the free blocks are all ones this lookup already brought back."""
+        the free blocks are all ones this lookup holds (hit or brought back: they sit
+        at the queue's recently used end, so the front is one of them only then)."""
         if self.tier is None or block_hash not in self.tier.by_hash or not self.free_block_queue:
             return None
-        if next(iter(self.free_block_queue)) in promoted:
+        if next(iter(self.free_block_queue)) in held:
             return None  # taking one more would evict a block this lookup needs
         block = self._pop_free_block(keep=frozenset((block_hash,)))
         slot = self.tier.lookup(block_hash)
@@ -179,7 +183,7 @@ class BlockManager:
         block.ref_cnt, block.block_hash, block.from_tier = 0, block_hash, True
         self.cached_block_hash_to_block[block_hash] = block
         self.free_block_queue[block.block_id] = None  # most recently used end
-        promoted.add(block.block_id)
+        held.add(block.block_id)
         return block
 
     def cache_blocks(self, request: Request) -> None:
@@ -266,7 +270,10 @@ class BlockManager:
         slots = self.tier.take(request_id, len(blocks))
         if slots is None:
             return False
-        self._tier_ops.extend(TierOp("out", b.block_id, s) for b, s in zip(blocks, slots))
+        # A block this step moved the request to by copy-on-write is not filled yet (tier ops run
+        # before block copies, and freeing it drops the copy): its source holds the contents.
+        source = {dst: src for src, dst in self._block_copies}
+        self._tier_ops.extend(TierOp("out", source.get(b.block_id, b.block_id), s) for b, s in zip(blocks, slots))
         self._free_blocks(request_id)
         return True
 
