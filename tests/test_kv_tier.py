@@ -208,3 +208,25 @@ def test_swapping_out_a_request_mid_copy_on_write_saves_the_copy_source():
     bm.free("c")
     assert bm.num_free_blocks == bm.num_blocks and not bm.tier.owned
     del parent
+
+
+def test_a_tier_that_does_not_fit_in_dev_shm_goes_to_the_temporary_directory(monkeypatch, tmp_path):
+    import infer.core.kv_tier as kv_tier
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    monkeypatch.setattr(kv_tier, "SHM", str(small))
+    calls = []
+    real = kv_tier._allocate
+
+    def allocate(fd, size):
+        calls.append(size)
+        if len(calls) == 1:  # the tmpfs is full
+            real(fd, 0)
+            raise OSError(28, "No space left on device")
+        real(fd, size)
+
+    monkeypatch.setattr(kv_tier, "_allocate", allocate)
+    store = TierStore(2, 3, 8, mapped=True)
+    assert isinstance(store.data, np.memmap) and store.data.shape == (2, 3, 8) and len(calls) == 2
+    assert not list(small.iterdir())  # the failed file was removed
