@@ -25,11 +25,12 @@ HERE = Path(__file__).parent
 SHARED_LIMIT = {90: 232448, 80: 166912}
 
 
-def _child(function: str) -> str:
+def _child(function: str, module: str = "test_cuda_compile") -> str:
+    """stdout of ``module.function()`` run in a fresh interpreter (compiler, not interpreter mode)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", f"import test_cuda_compile as t; t.{function}()"], cwd=HERE, env=env,
+    res = subprocess.run([sys.executable, "-c", f"import {module} as t; t.{function}()"], cwd=HERE, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
     return res.stdout

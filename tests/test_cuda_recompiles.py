@@ -13,33 +13,26 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 H200_SMS = 132
 
 
-def _child(call: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-c", f"import test_cuda_recompiles as t; {call}"], cwd=HERE, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
-    return res.stdout.strip().splitlines()[-1]
+def _child(function: str) -> str:
+    from test_cuda_compile import _child as run
+
+    return run(function, "test_cuda_recompiles").strip().splitlines()[-1]
 
 
 def test_decoding_to_8k_tokens_at_batches_1_to_64_compiles_two_attention_variants_and_one_combine():
-    counts = json.loads(_child("t.count_decode_variants()"))
+    counts = json.loads(_child("count_decode_variants"))
     # One variant without splits, one with; the combine once, whatever the split count.
     assert counts == {"_paged_attention_kernel": 2, "_combine_splits_kernel": 1}, counts
 
 
 def test_the_spill_check_flags_a_too_large_tile_and_passes_the_default_for_gqa_128():
-    out = json.loads(_child("t.spill_figures()"))
+    out = json.loads(_child("spill_figures"))
     assert out["too_large"]["spills"] and out["too_large"]["n_spills"] > 0, out
     for kind in ("default", "default_split", "default_mixed"):
         assert not out[kind]["spills"] and out[kind]["n_spills"] == 0, out

@@ -87,7 +87,7 @@ class EngineArgs:
     cuda_graph_sizes: tuple[int, ...] | None = None
     # A second KV tier under the device pool (core/kv_tier.py), in bytes over all layers (0: none):
     # evicted prefix-cache blocks and swapped-out requests. Host memory; on the CPU backend a
-    # memory-mapped file, at kv_offload_path when given (a temporary file otherwise).
+    # memory-mapped file, at kv_offload_path when given (an unlinked file in /dev/shm otherwise).
     kv_offload_bytes: int = 0
     kv_offload_path: str | None = None
     # How a request gives up its blocks when the pool runs out: auto | recompute | swap.

@@ -248,8 +248,8 @@ class Scheduler:
             if bm.is_swapped(req.request_id):  # preempted by swapping: its blocks come back, nothing recomputed
                 num_hit = req.num_computed_tokens
                 n = self._num_new_tokens(req, num_hit, budget)
-                held = bm.num_swapped_blocks(req.request_id)
-                if held + max(0, -(-(num_hit + n) // self.block_size) - held) > bm.num_free_blocks:
+                need = max(bm.num_swapped_blocks(req.request_id), -(-(num_hit + n) // self.block_size))
+                if need > bm.num_free_blocks:
                     break  # backpressure, as below
                 bm.swap_in(req.request_id)
                 allocated = bm.allocate_slots(req, n)

@@ -207,13 +207,6 @@ class Backend(ABC):
             blocks = np.ascontiguousarray(data).view(cache.dtype).reshape(len(ids), *block_shape)
             cache[:, ids] = np.moveaxis(blocks, 0, 1)
 
-    def kv_block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-        """Bytes one block of one layer's cache occupies in this backend's storage
-        (``dtype``: a float dtype name or 'fp8'): the width of `read_blocks`' rows,
-        for sizing a host tier. The default measures a one-block cache."""
-        cache = self.allocate_kv_cache(1, block_size, num_kv_heads, head_dim, dtype)
-        return int(self.read_blocks(cache, np.zeros(0, np.int64)).shape[1])
-
     def plan_attention(self, meta: AttentionMetadata) -> AttentionPlan | None:
         """This backend's plan of a step's attention, from the step's host
         metadata (NumPy arrays: no device sync), or None (the default).

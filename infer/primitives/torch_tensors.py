@@ -55,12 +55,6 @@ class TorchTensors(Backend):
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         return torch.zeros(shape, dtype=kv_storage_dtype(dtype), device=self.device)
 
-    def kv_block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-        # Arithmetic, not a measured allocation: an fp8 cache may be placed here
-        # (uint8 codes) for a fallback's kv_write by a backend that allocates no fp8.
-        numel = math.prod(self.kv_cache_shape(1, block_size, num_kv_heads, head_dim))
-        return numel * kv_storage_dtype(dtype).itemsize
-
     def read_blocks(self, kv_cache: torch.Tensor, block_ids: np.ndarray) -> np.ndarray:
         ids = torch.from_numpy(np.asarray(block_ids, dtype=np.int64)).to(kv_cache.device)
         # [n, 2, block_size, Hk, D] contiguous, then its bytes: bfloat16 has no NumPy dtype.
