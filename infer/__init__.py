@@ -9,6 +9,7 @@ _EXPORTS = {
     "SamplingParams": "infer.core.sampling_params",
     "RequestOutput": "infer.core.outputs",
     "CompletionOutput": "infer.core.outputs",
+    "LoRARequest": "infer.core.lora",
 }
 
 

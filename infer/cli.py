@@ -116,6 +116,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
             cells = [_provider_cell(name, matrix[name][prim]) for name in matrix]
             cov_table.add_row(prim, *cells)
         console.print(cov_table)
+    if args.model:
+        console.print(_kv_capacity_table(args, reg))
     if reg.models:
         console.print("model architectures: " + ", ".join(sorted(reg.models)))
     if reg.broken:
@@ -128,6 +130,45 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_capacity_table(args: argparse.Namespace, reg) -> Table:
+    """KV capacity in tokens per tier of `args.model` on each available backend: the
+    engine's own sizing (what `infer serve` with these flags would allocate)."""
+    import logging
+
+    from .core.engine import EngineArgs, LLMEngine
+
+    table = Table(title=f"KV capacity for {args.model}", title_justify="left")
+    for col in ("backend", "block", "device pool", "host tier", "max context"):
+        table.add_column(col, overflow="fold")
+    quiet = logging.getLogger("infer")
+    level, quiet.level = quiet.level, logging.WARNING
+    try:
+        for name, info in sorted(reg.backends.items()):
+            if not info.available:
+                continue
+            try:
+                engine = LLMEngine(EngineArgs(
+                    model=args.model, backend=name, dtype=args.dtype, max_model_len=args.max_model_len,
+                    block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                    gpu_memory_utilization=args.gpu_memory_utilization, kv_offload_bytes=args.kv_offload_bytes,
+                    kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True, show_progress=False,
+                    skip_tokenizer_init=True))
+            except Exception as exc:
+                table.add_row(name, "", f"[red]{escape(type(exc).__name__)}[/]: {escape(str(exc))}", "", "")
+                continue
+            cache = engine.cache_config
+            per_block = engine.runner.kv_cache_bytes_per_block(cache.block_size)
+            sizes = "/".join(str(k * cache.block_size) for k in cache.block_multiples)
+            host = (f"{cache.num_tier_blocks * cache.block_size:,} tokens "
+                    f"({cache.num_tier_blocks * per_block / 2**20:,.0f} MiB)" if cache.num_tier_blocks else "none")
+            table.add_row(name, sizes, f"{cache.num_blocks * cache.block_size:,} tokens "
+                          f"({cache.num_blocks * per_block / 2**20:,.0f} MiB)", host, f"{engine.max_model_len:,}")
+            engine.shutdown()
+    finally:
+        quiet.level = level
+    return table
+
+
 def _provider_cell(name: str, provider: str) -> str:
     if provider.startswith("missing"):
         return "[red]missing[/]"
@@ -135,8 +176,19 @@ def _provider_cell(name: str, provider: str) -> str:
 
 
 def add_backends(sub) -> None:
+    from .cli_model import block_size_arg
+
     p = sub.add_parser("backends", help="list every backend found, available or not, and why")
     p.add_argument("--coverage", action="store_true", help="also print which backend provides each primitive")
+    kv = p.add_argument_group("KV capacity per tier (with --model: builds the engine on each available backend)")
+    kv.add_argument("--model", default=None, help="HF directory, .gguf file or alias to size the KV cache for")
+    kv.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    kv.add_argument("--max-model-len", type=int, default=None)
+    kv.add_argument("--block-size", type=block_size_arg, default=None, metavar="{N,auto}")
+    kv.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (all layers)")
+    kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    kv.add_argument("--kv-offload-bytes", type=int, default=0, metavar="BYTES", help="the host tier's size")
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.set_defaults(func=cmd_backends)
 
 

@@ -9,6 +9,15 @@ import time
 from .core.engine import EngineArgs
 
 
+def block_size_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags under vLLM's names, shared by run, serve and bench."""
     p.add_argument("--model", default="smollm2", help="HF directory, .gguf file or alias (default: smollm2)")
@@ -18,7 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=block_size_arg, default=None, metavar="{N,auto}",
+                   help="tokens per KV block (default: the backend's); auto: 8/16/32-token blocks (multiples of the "
+                        "backend's smallest page) chosen per request by its expected length")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (all layers)")
     p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization,
                    help="fraction of accelerator memory for weights, activations and KV cache")
@@ -53,6 +64,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(up to $INFER_DEQUANT_CACHE_MB, default 1024 MiB, in all)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="fp8: KV cache as e4m3 (1 byte a value: 2x the tokens of a 16-bit cache)")
+    lora = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters over the base model")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help='adapters known from the start: name=path or JSON {"name": ..., "path": ...}; a request '
+                           "picks one by its model name")
+    lora.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (device slots)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in host memory (default: --max-loras)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: capture no decode graphs (CUDA graphs on the cuda backend)")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
@@ -79,8 +99,10 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
              "structured_outputs_backend", "reasoning_parser", "speculative_config",
              "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
-             "master_addr", "master_port", "kv_offload_bytes", "kv_offload_path", "preemption_mode")
-    return EngineArgs(**({n: getattr(args, n) for n in names} | overrides))
+             "master_addr", "master_port", "kv_offload_bytes", "kv_offload_path", "preemption_mode", "enable_lora",
+             "max_loras", "max_lora_rank", "max_cpu_loras")
+    lora = {"lora_modules": tuple(args.lora_modules or ())}
+    return EngineArgs(**({n: getattr(args, n) for n in names} | lora | overrides))
 
 
 # -- infer run ------------------------------------------------------------------

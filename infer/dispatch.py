@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .primitives.backend import Backend
 from .primitives.spec import CHECKS, PRIMITIVES
-from .primitives.types import Support
+from .primitives.types import Support, expand_block_table
 from .registry import BackendUnavailableError, get_backend
 
 
@@ -202,6 +202,8 @@ class Ops:
         backend that serves attention for the dispatch key `kw` (maybe a
         fallback, whose kernel then finds its own plan)."""
         provider = self.provider("attention", **kw)
+        if meta.block_sizes is not None and not provider.native_block_sizes:
+            meta = expand_block_table(meta)
         if provider.api_version < 2:  # v1: the provider moved the arrays and attached `backend_data` itself
             return provider.prepare_metadata(meta)
         out = self.backend.prepare_metadata(meta)

@@ -16,6 +16,8 @@ def leak_check():
         assert not engine.scheduler.has_unfinished_requests(), "the test left requests in the scheduler"
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
         assert bm.tier is None or not bm.tier.owned, f"host-tier blocks of {sorted(bm.tier.owned)} leaked"
+        assert not bm._pages, f"block sizes of {sorted(bm._pages)} left behind"
+        bm.check_layout()
 
 
 def pytest_configure(config):

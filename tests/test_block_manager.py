@@ -334,3 +334,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_block_manager_invariants = BlockManagerMachine.TestCase
+
+
+class MixedBlockSizesMachine(BlockManagerMachine):
+    """The same scheduler-like drive with ``--block-size auto``: requests take blocks of
+    1, 2 or 4 pages (by their length here), and the free-run bookkeeping and every
+    request's aligned runs are checked after each step."""
+
+    @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3]), caching=st.booleans())
+    def setup(self, num_blocks, block_size, caching):
+        super().setup(num_blocks, block_size, caching)
+        self.bm = BlockManager(num_blocks, block_size, caching, block_multiples=(1, 2, 4))
+        self.bm._wanted_pages = lambda req: (1, 2, 4)[req.num_tokens % 3]
+
+    @invariant()
+    def every_request_reads_back_its_own_tokens(self):
+        self.bm.check_layout()
+        bs = self.bm.block_size
+        for rid, req in self.live.items():
+            table, n, k = self.bm.get_block_ids(rid), req.num_computed_tokens + self.pending[rid], self.bm.pages_per_block(rid)
+            assert len(table) >= cdiv(n, bs) and (k == 1 or len(table) == cdiv(n, bs * k) * k)
+            assert [int(self.kv[table[p // bs], p % bs]) for p in range(n)] == req.all_token_ids[:n]
+
+
+MixedBlockSizesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_mixed_block_size_invariants = MixedBlockSizesMachine.TestCase

@@ -200,8 +200,46 @@ class ReadsKeysOnly(CpuRefBackend):
         CpuRefBackend.write_blocks(self, kv_cache[:1], block_ids, data)
 
 
+class ReadsBlocksAsPages(CpuRefBackend):
+    """Takes mixed block sizes itself, then reads a block's first page for each of its pages."""
+    name = "mutant"
+    native_block_sizes = True
+
+    def attention(self, q, kv_cache, meta, *args, **kw):
+        k = int(meta.block_sizes.max()) // meta.block_size
+        pages = np.repeat(np.asarray(meta.block_table), k, axis=1)
+        return CpuRefBackend.attention(q, kv_cache, replace(meta, block_table=pages, block_sizes=None), *args, **kw)
+
+
+class LoraOneSlice(CpuRefBackend):
+    """Applies a fused projection's first slice's rank to all its columns."""
+    name = "mutant"
+
+    def lora(self, x, y, lora_a, lora_b, lora_indices, output_slices=None):
+        r = lora_b.shape[2]
+        return CpuRefBackend.lora(x, y, lora_a[:, :r], lora_b, lora_indices)
+
+
+class LoraReadsSlotZero(CpuRefBackend):
+    """Adds slot 0's weights to the tokens without an adapter."""
+    name = "mutant"
+
+    def lora(self, x, y, lora_a, lora_b, lora_indices, output_slices=None):
+        out = CpuRefBackend.lora(x, y, lora_a, lora_b, lora_indices, output_slices)
+        swapped = np.where(lora_indices == 0, 1, 0)  # slot 0's rows as if they were slot 1's
+        a, b = lora_a.copy(), lora_b.copy()
+        a[1], b[1] = lora_a[0], lora_b[0]
+        return np.where((lora_indices == 0)[:, None], CpuRefBackend.lora(x, y, a, b, swapped, output_slices), out)
+
+
 MUTANTS = [
-    (NoSlidingWindow, "attention", {"sliding_window8_gqa3_d64", "window_soft_cap_gqa8_d128"}),
+    (NoSlidingWindow, "attention", {"sliding_window8_gqa3_d64", "window_soft_cap_gqa8_d128",
+                                    "mixed_block_sizes_window_gqa3_d64"}),
+    (ReadsBlocksAsPages, "attention", {"mixed_block_sizes_gqa3_d64", "mixed_block_sizes_decode_gqa8_d128",
+                                       "mixed_block_sizes_window_gqa3_d64", "mixed_block_sizes_fp8_gqa3_d64"}),
+    (LoraOneSlice, "lora", {"qkv_slices", "gate_up_slices", "prefill_600_tokens", "prefill_runs_of_one_adapter"}),
+    (LoraReadsSlotZero, "lora", {"decode_4_slots", "one_slice_rank16", "qkv_slices", "gate_up_slices",
+                                 "no_adapter_rows", "prefill_600_tokens", "prefill_runs_of_one_adapter"}),
     (NoSoftCap, "attention", {"soft_cap_gqa3_d64", "window_soft_cap_gqa8_d128"}),
     (HighestExpertOnTies, "moe", {"top1_ties_lowest_id", "top2_ties_lowest_id"}),
     (UngatedSharedExpert, "moe", {"shared_gated_top4", "shared_gated_one_token"}),

@@ -26,6 +26,7 @@ HERE = Path(__file__).parent
 GROUPS = {
     "attention": ["attention"],
     "kv_write_moe": ["kv_write", "copy_blocks", "read_write_blocks", "moe"],
+    "lora": ["lora"],
     # The row-wise kernels, and the primitives `cuda` takes from `torch` by declaration.
     "rowwise_and_fallbacks": ["rms_norm", "rotary", "act_and_mul", "embedding", "linear", "sample", "all_reduce",
                               "all_gather"],

@@ -230,3 +230,18 @@ def test_a_tier_that_does_not_fit_in_dev_shm_goes_to_the_temporary_directory(mon
     store = TierStore(2, 3, 8, mapped=True)
     assert isinstance(store.data, np.memmap) and store.data.shape == (2, 3, 8) and len(calls) == 2
     assert not list(small.iterdir())  # the failed file was removed
+
+
+def test_infer_backends_reports_kv_capacity_per_tier(make_llm, tiny, capsys, monkeypatch):
+    from infer.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    llm = make_llm(kv_cache_memory=1 << 21, kv_offload_bytes=1 << 22)
+    cache, per_block = llm.engine.cache_config, llm.engine.runner.kv_cache_bytes_per_block(16)
+    assert main(["backends", "--model", str(tiny.path), "--kv-cache-memory", str(1 << 21),
+                 "--kv-offload-bytes", str(1 << 22)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.split("KV capacity")[1].splitlines() if line.startswith("│ torch "))
+    assert f"{cache.num_blocks * 16:,} tokens ({cache.num_blocks * per_block / 2**20:,.0f} MiB)" in row
+    assert f"{cache.num_tier_blocks * 16:,} tokens" in row and cache.num_tier_blocks > cache.num_blocks
+    assert "│ cpu_ref " in out.split("KV capacity")[1]

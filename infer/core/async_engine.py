@@ -86,7 +86,7 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self.dead: BaseException | None = None
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, Any, SamplingParams, int, _Stream]] = []
+        self._adds: list[tuple[str, Any, SamplingParams, int, _Stream, Any]] = []  # ..., the LoRARequest
         self._aborts: list[str] = []
         self._stop = False
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -96,7 +96,7 @@ class AsyncLLM:
 
     # -- the asyncio side ---------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | dict, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Queue a request; once the engine accepted it, an iterator of its outputs.
 
         Raises ValueError/TypeError (the engine's message) when the engine
@@ -114,7 +114,7 @@ class AsyncLLM:
                 raise EngineDeadError(f"the engine failed earlier: {self.dead}")
             if self._stop:
                 raise EngineDeadError("the engine is shutting down")
-            self._adds.append((request_id, prompt, params, priority, stream))
+            self._adds.append((request_id, prompt, params, priority, stream, lora_request))
             self._cv.notify()
         try:
             await stream.accepted
@@ -154,6 +154,10 @@ class AsyncLLM:
             self.engine.shutdown()  # worker ranks of a distributed engine stop with it
 
     @property
+    def engines(self) -> list:
+        return [self.engine]
+
+    @property
     def failure(self) -> str | None:
         """Why this engine cannot serve (it failed, or one of its worker ranks died), or None."""
         if self.dead is not None:
@@ -190,11 +194,13 @@ class AsyncLLM:
                 return
             self._log(engine.get_stats(), iteration)
 
-    def _add(self, request_id: str, prompt: Any, params: SamplingParams, priority: int, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt: Any, params: SamplingParams, priority: int, stream: _Stream,
+             lora_request=None) -> None:
         loop = stream.loop
         arrival = time.time()
         try:
-            self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival)
+            kw = {"lora_request": lora_request} if lora_request is not None else {}
+            self.engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival, **kw)
         except Exception as exc:  # the engine names what was wrong: the caller's 400
             _call(loop, _resolve, stream.accepted, exc)
             return
@@ -246,7 +252,8 @@ class AsyncLLM:
             pending, self._adds = self._adds, []
         for stream in self._streams.values():
             _call(stream.loop, stream.put, err)
-        for *_, stream in pending:
+        for item in pending:
+            stream = item[4]
             _call(stream.loop, _resolve, stream.accepted, err)
         self._streams.clear()
         self._tracked.clear()

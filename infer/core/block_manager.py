@@ -13,11 +13,22 @@ a chain rooted at the request's cache salt. Blocks whose owners all finished
 stay in the free queue with their hash until evicted, least recently used
 first, and a later request with the same prefix takes them instead of
 recomputing.
+
+Mixed block sizes (``--block-size auto``): the pool's blocks are pages, and a
+request may use blocks of k pages (k in `block_multiples`), chosen by its
+expected length (prompt + max_tokens): a block is then k consecutive pages
+starting at a multiple of k, so its id in units of its own size is
+``first_page // k``. Short requests keep one-page blocks (little room left
+unused in their last block), long ones get big blocks. Everything else (hashes,
+the prefix cache, the host tier, copy-on-write) works on pages; a request that
+cannot get a whole free run, hits a prefix not laid out in its runs, or copies
+a shared page falls back to one-page blocks, which is always valid.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -32,8 +43,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """Parent hash of a request's first block: the salt, so salts never share blocks."""
+def root_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """Parent hash of a request's first block: the salt and the LoRA adapter, so
+    neither different salts nor different adapters ever share blocks."""
+    if lora_name is not None:  # another prefix, and JSON: no salt can spell an adapter's root
+        return hashlib.sha256(b"infer-kv-root-lora:" + json.dumps([cache_salt or "", lora_name]).encode()).digest()
     return hashlib.sha256(b"infer-kv-root:" + (cache_salt or "").encode()).digest()
 
 
@@ -76,7 +90,7 @@ class BlockManager:
     """A pool of `num_blocks` KV blocks of `block_size` tokens each."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_tier_blocks: int = 0):
+                 num_tier_blocks: int = 0, block_multiples: Sequence[int] = (1,)):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"BlockManager needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -99,6 +113,16 @@ class BlockManager:
         # The host tier (`kv_tier`): evicted prefix blocks and swapped-out requests.
         self.tier = TierIndex(num_tier_blocks) if num_tier_blocks > 0 else None
         self._tier_ops: list[TierOp] = []
+        # Mixed block sizes: pages per block of each request (absent: 1), and per
+        # multiple k > 1 the free pages of each aligned group of k pages and the
+        # groups that are wholly free (in the order they became so).
+        self.block_multiples = tuple(sorted({1, *block_multiples}))
+        if any(k <= 0 for k in self.block_multiples):
+            raise ValueError(f"block_multiples must be positive, got {block_multiples}")
+        self._pages: dict[str, int] = {}
+        self._group_free = {k: np.full(num_blocks // k, k, np.int32) for k in self.block_multiples if k > 1}
+        self._free_groups = {k: dict.fromkeys(range(num_blocks // k)) for k in self._group_free}
+        self.num_run_fallbacks = 0  # requests that wanted blocks of several pages and fell back to one
 
     # -- usage ---------------------------------------------------------------
     @property
@@ -114,6 +138,10 @@ class BlockManager:
     def usage(self) -> float:
         """KV cache usage in [0, 1]."""
         return self.num_used_blocks / self.num_blocks
+
+    def pages_per_block(self, request_id: str) -> int:
+        """Pages in each block of the request (1 unless `block_multiples` gave it more)."""
+        return self._pages.get(request_id, 1)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
@@ -142,7 +170,7 @@ class BlockManager:
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt, getattr(request, "lora_name", None))
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_full_blocks]
 
@@ -182,7 +210,7 @@ class BlockManager:
         self._tier_ops.append(TierOp("in", block.block_id, slot))
         block.ref_cnt, block.block_hash, block.from_tier = 0, block_hash, True
         self.cached_block_hash_to_block[block_hash] = block
-        self.free_block_queue[block.block_id] = None  # most recently used end
+        self._put_free(block.block_id)  # most recently used end
         held.add(block.block_id)
         return block
 
@@ -214,13 +242,23 @@ class BlockManager:
         blocks = self.req_to_blocks.get(rid, [])
         hit = [self.blocks[i] for i in new_computed_block_ids]
         num_computed = request.num_computed_tokens + len(hit) * bs
-        num_required = cdiv(num_computed + num_new_tokens, bs)
-        num_fresh = max(0, num_required - len(blocks) - len(hit))
+        # A hit resting in the free queue leaves it, so it costs a free block too.
+        evictable_hits = [b.block_id for b in hit if b.ref_cnt == 0]
         # Existing blocks this step writes into that another request also holds.
         shared = [i for i in range(num_computed // bs, len(blocks)) if blocks[i].ref_cnt > 1]
-        # A hit resting in the free queue leaves it, so it costs a free block too.
-        num_evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)
-        if num_fresh + len(shared) + num_evictable_hits > self.num_free_blocks:
+        if rid in self.req_to_blocks:
+            k = want = self._pages.get(rid, 1)
+        else:
+            want = self._wanted_pages(request)
+            k = self._hit_pages(want, hit)
+        while True:
+            num_required = cdiv(num_computed + num_new_tokens, bs * k) * k
+            num_fresh = max(0, num_required - len(blocks) - len(hit))
+            if k == 1 or (not shared and self._free_runs(k, evictable_hits) >= num_fresh // k
+                          and num_fresh + len(evictable_hits) <= self.num_free_blocks):
+                break
+            k = 1  # no room for whole runs (or a page is copied): one-page blocks from here on
+        if num_fresh + len(shared) + len(evictable_hits) > self.num_free_blocks:
             return False
 
         if rid not in self.req_to_blocks:
@@ -229,13 +267,18 @@ class BlockManager:
             if self.enable_prefix_caching:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit) * bs
+        self.num_run_fallbacks += k < want
+        if k > 1:
+            self._pages[rid] = k
+        else:
+            self._pages.pop(rid, None)
         for block in hit:
             if block.from_tier:
                 block.from_tier = False
                 self.prefix_cache_stats.tier_hits += bs
         for block in hit:
             if block.ref_cnt == 0:
-                del self.free_block_queue[block.block_id]
+                self._take_free(block.block_id)
             block.ref_cnt += 1
         first_changed = min([len(blocks), *shared])
         blocks.extend(hit)
@@ -244,9 +287,87 @@ class BlockManager:
             self._block_copies.append((blocks[i].block_id, copy.block_id))
             blocks[i].ref_cnt -= 1  # still >= 1: the relatives keep it
             blocks[i] = copy
-        blocks.extend(self._pop_free_block() for _ in range(num_fresh))
+        if k > 1:
+            for _ in range(num_fresh // k):
+                blocks.extend(self._pop_free_run(k))
+        else:
+            blocks.extend(self._pop_free_block() for _ in range(num_fresh))
         self._write_row(rid, first_changed)
         return True
+
+    # -- mixed block sizes ---------------------------------------------------------
+    # Expected tokens per page of block: a request expecting L tokens takes the largest
+    # block of at most L / this many tokens (its last block then wastes ~1.5% of L).
+    TOKENS_PER_BLOCK_TOKEN = 32
+
+    def _wanted_pages(self, request: Request) -> int:
+        """Pages per block a new request asks for, by its expected length."""
+        if len(self.block_multiples) == 1:
+            return 1
+        params = getattr(request, "sampling_params", None)
+        max_tokens = getattr(params, "max_tokens", None)
+        expected = request.num_tokens + (max_tokens if max_tokens is not None else self.num_blocks * self.block_size)
+        fits = [k for k in self.block_multiples if k * self.block_size * self.TOKENS_PER_BLOCK_TOKEN <= expected]
+        return max(fits, default=1)
+
+    def _hit_pages(self, want: int, hit: list[Block]) -> int:
+        """The most pages per block, at most `want`, whose aligned runs the hit's pages form."""
+        ids = [b.block_id for b in hit]
+        for k in reversed(self.block_multiples):
+            if k <= want and len(ids) % k == 0 and all(
+                    ids[i] % k == 0 and ids[i : i + k] == list(range(ids[i], ids[i] + k)) for i in range(0, len(ids), k)):
+                return k
+        return 1
+
+    def check_layout(self) -> None:
+        """AssertionError unless the free-group counts match the free queue and every
+        request with blocks of k > 1 pages holds whole aligned runs (tests call this)."""
+        free = set(self.free_block_queue)
+        for k, counts in self._group_free.items():
+            expect = [sum(p in free for p in range(g * k, g * k + k)) for g in range(len(counts))]
+            assert counts.tolist() == expect, f"free pages per group of {k} drifted"
+            assert set(self._free_groups[k]) == {g for g, n in enumerate(expect) if n == k}, f"free runs of {k} drifted"
+        for rid, k in self._pages.items():
+            if rid not in self.req_to_blocks:
+                assert self.is_swapped(rid), f"{rid} has a block size but no blocks"
+                continue
+            ids = self.get_block_ids(rid)
+            assert len(ids) % k == 0 and all(ids[i] % k == 0 and ids[i : i + k] == list(range(ids[i], ids[i] + k))
+                                             for i in range(0, len(ids), k)), f"{rid}'s blocks of {k} pages broke: {ids}"
+
+    def _free_runs(self, k: int, taken: Sequence[int] = ()) -> int:
+        """Wholly free aligned groups of k pages, not counting those holding a page in `taken`."""
+        free = self._free_groups[k]
+        return len(free) - len({p // k for p in taken if p // k in free})
+
+    def _take_free(self, block_id: int) -> None:
+        del self.free_block_queue[block_id]
+        for k, counts in self._group_free.items():
+            g = block_id // k
+            if g < len(counts):
+                if counts[g] == k:
+                    del self._free_groups[k][g]
+                counts[g] -= 1
+
+    def _put_free(self, block_id: int, first: bool = False) -> None:
+        self.free_block_queue[block_id] = None
+        if first:
+            self.free_block_queue.move_to_end(block_id, last=False)
+        for k, counts in self._group_free.items():
+            g = block_id // k
+            if g < len(counts):
+                counts[g] += 1
+                if counts[g] == k:
+                    self._free_groups[k][g] = None
+
+    def _pop_free_run(self, k: int) -> list[Block]:
+        """The k pages of the wholly free aligned group that became free first."""
+        g = next(iter(self._free_groups[k]))
+        pages = []
+        for page in range(g * k, g * k + k):
+            self._take_free(page)
+            pages.append(self._claim(self.blocks[page]))
+        return pages
 
     def pop_tier_ops(self) -> list[TierOp]:
         """Copies between the device pool and the host tier decided since the last call,
@@ -283,7 +404,12 @@ class BlockManager:
         slots = self.tier.owned[request_id]
         if len(slots) > self.num_free_blocks:
             return False
-        blocks = [self._pop_free_block() for _ in slots]
+        k = self._pages.get(request_id, 1)
+        if k > 1 and self._free_runs(k) >= len(slots) // k:
+            blocks = [page for _ in range(len(slots) // k) for page in self._pop_free_run(k)]
+        else:
+            self._pages.pop(request_id, None)
+            blocks = [self._pop_free_block() for _ in slots]
         self._tier_ops.extend(TierOp("in", b.block_id, s) for b, s in zip(blocks, slots))
         self.tier.release(request_id)
         self.req_to_blocks[request_id] = blocks
@@ -310,11 +436,14 @@ class BlockManager:
         self.req_to_blocks[child_id] = list(blocks)
         self._rows[child_id] = self._rows[parent_id].copy()
         self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
+        if parent_id in self._pages:
+            self._pages[child_id] = self._pages[parent_id]
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, on the device and in the tier (no-op if it holds none)."""
         if self.tier is not None:
             self.tier.release(request_id)
+        self._pages.pop(request_id, None)
         self._free_blocks(request_id)
 
     def _free_blocks(self, request_id: str) -> None:
@@ -330,26 +459,28 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 freed.add(block.block_id)
-                self.free_block_queue[block.block_id] = None
-                if block.block_hash is None:
-                    # Nothing reusable in it: first in line for eviction.
-                    self.free_block_queue.move_to_end(block.block_id, last=False)
+                # Nothing reusable in an unnamed block: first in line for eviction.
+                self._put_free(block.block_id, first=block.block_hash is None)
         if freed and self._block_copies:
             # A copy into a block that is free again is wasted work, and the
             # block may be reused before the engine would perform it.
             self._block_copies = [(s, d) for s, d in self._block_copies if d not in freed]
 
     def _pop_free_block(self, keep: frozenset = frozenset()) -> Block:
-        """The least recently used free block. A cached one leaves the prefix cache; with
-        a tier its contents go there first (the tier's LRU prefix blocks make room, but
-        not those in `keep`)."""
-        block_id, _ = self.free_block_queue.popitem(last=False)
-        block = self.blocks[block_id]
+        """The least recently used free block, claimed (`_claim`)."""
+        block_id = next(iter(self.free_block_queue))
+        self._take_free(block_id)
+        return self._claim(self.blocks[block_id], keep)
+
+    def _claim(self, block: Block, keep: frozenset = frozenset()) -> Block:
+        """A block just taken from the free queue, held once. A cached one leaves the
+        prefix cache; with a tier its contents go there first (the tier's LRU prefix
+        blocks make room, but not those in `keep`)."""
         if block.block_hash is not None:  # evict it from the prefix cache
             if self.tier is not None:
                 slot = self.tier.put_hash(block.block_hash, keep)
                 if slot is not None:
-                    self._tier_ops.append(TierOp("out", block_id, slot))
+                    self._tier_ops.append(TierOp("out", block.block_id, slot))
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash, block.from_tier = None, False
         block.ref_cnt = 1

@@ -40,6 +40,9 @@ class CacheConfig:
                            already computed (vLLM V1 turns it on by default).
     num_tier_blocks        blocks of the host tier under the pool (`kv_tier`):
                            evicted prefix blocks and swapped-out requests; 0: none.
+    block_multiples        block sizes requests may use, in blocks of
+                           `block_size` (``--block-size auto``: (1, 2, 4), each
+                           request's chosen by its expected length); (1,): one size.
     """
 
     block_size: int | None = None
@@ -47,6 +50,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     num_tier_blocks: int = 0
+    block_multiples: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         if self.num_tier_blocks < 0:
@@ -113,6 +117,8 @@ class SchedulerConfig:
                                  back; recompute when the tier is full) or 'auto'
                                  (swap a request holding a full block when the tier
                                  has room, recompute shorter ones).
+    max_loras                    distinct LoRA adapters one step may use (0: no limit,
+                                 LoRA off); requests of others wait for a later step.
     """
 
     max_num_seqs: int = 128
@@ -123,6 +129,7 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     priority_aging_s: float | None = 60.0
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

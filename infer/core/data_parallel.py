@@ -26,6 +26,10 @@ class DataParallelLLM:
         self._owner: dict[str, int] = {}
 
     @property
+    def engines(self) -> list:
+        return [r.engine for r in self.replicas]
+
+    @property
     def engine(self):
         """The first replica's engine: tokenizer, config and limits are the same on every replica."""
         return self.replicas[0].engine
@@ -56,11 +60,11 @@ class DataParallelLLM:
         return min(live, key=load)
 
     async def generate(self, request_id: str, prompt: str | dict, params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         i = self.pick()
         self.in_flight[i] += 1
         try:
-            stream = await self.replicas[i].generate(request_id, prompt, params, priority)
+            stream = await self.replicas[i].generate(request_id, prompt, params, priority, lora_request)
         except BaseException:
             self.in_flight[i] -= 1
             raise

@@ -99,6 +99,7 @@ class StepInput:
     meta: AttentionMetadata
     block_copies: tuple[tuple[int, int], ...] = ()
     tier_ops: tuple = ()  # kv_tier.TierOp copies to and from the host tier, before the block copies
+    lora_indices: np.ndarray | None = None  # [T] each token's LoRA slot (0: none), with LoRA enabled
 
 
 @dataclass

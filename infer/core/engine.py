@@ -16,12 +16,13 @@ import numpy as np
 
 from ..dispatch import DispatchTrace, Ops
 from ..registry import get_backend, get_reasoning_parser, get_spec_proposer, registry
-from ..primitives.types import AttentionMetadata
+from ..primitives.types import AttentionMetadata, expand_block_table
 from . import distributed
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
 from .distributed import DistributedState, ParallelConfig, StepInput
 from .loader import load_model
 from .expert_load import ExpertLoad
+from .lora import LoRAManager, LoRARequest, add_lora, parse_lora_modules
 from .lowering import TP_GROUP, lower
 from .parallel import max_kv_heads, shard_graph
 from .memory import trim_heap
@@ -54,7 +55,10 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    block_size: int | None = None
+    # Tokens per KV block; None: the backend's preferred size; "auto": blocks of
+    # 1, 2 or 4 pages of the backend's `auto_block_sizes[0]` per request, by its
+    # expected length (see block_manager).
+    block_size: int | str | None = None
     kv_cache_memory: int | None = None  # bytes, all layers
     gpu_memory_utilization: float = 0.9  # on accelerators, when kv_cache_memory is not given
     num_gpu_blocks_override: int | None = None
@@ -92,6 +96,14 @@ class EngineArgs:
     kv_offload_path: str | None = None
     # How a request gives up its blocks when the pool runs out: auto | recompute | swap.
     preemption_mode: str = "auto"
+    # Multi-LoRA (core/lora.py): PEFT adapters chosen per request; at most max_loras of
+    # them in one step (device slots), rank up to max_lora_rank, max_cpu_loras kept in
+    # host memory (None: max_loras). lora_modules: adapters known from the start.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple = ()
     # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
     trace_dispatch: bool = False
     # Distributed serving (core/distributed.py, docs/distributed.md).
@@ -144,6 +156,8 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
         if dist.config.pipeline_parallel_size > 1:
             graph = graph.stage(*dist.stage_layers(graph.num_layers))
         graph = shard_graph(graph, dist.tp_rank, dist.config.tensor_parallel_size)
+    if a.enable_lora:
+        add_lora(graph, a.max_loras, a.max_lora_rank)
     program = lower(graph, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs)))
     model_len = graph.config.max_position_embeddings
     if a.max_model_len is not None and a.max_model_len > model_len:
@@ -174,8 +188,9 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
     if staged and not dist.is_first_stage:
         shape = (len(step.input_ids), runner.config.hidden_size)
         carry = dist.recv_carry(be, CARRIED, shape, runner.dtype)
+    lora = None if step.lora_indices is None else be.asarray(step.lora_indices)
     out = runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
-                         runner.prepare_metadata(step.meta), carry)
+                         runner.prepare_metadata(step.meta), carry, lora)
     if not staged:
         return out
     if not dist.is_last_stage:
@@ -284,13 +299,21 @@ class LLMEngine:
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             policy=a.scheduling_policy,
             preemption_mode=a.preemption_mode,
+            max_loras=a.max_loras if a.enable_lora else 0,
         )
         self.scheduler = Scheduler(sched, cache)
+        self.lora = None
+        if a.enable_lora:
+            self.lora = LoRAManager(self.runner, graph, a.max_loras, a.max_lora_rank, a.max_cpu_loras)
+            for req in _lora_requests(a.lora_modules):
+                self.lora.register(req)
         self._allocate_kv_caches(cache.num_blocks, cache.block_size, cache.num_tier_blocks, a.kv_offload_path)
         tokens = cache.num_blocks * cache.block_size
+        sizes = "/".join(str(k * cache.block_size) for k in cache.block_multiples)
         logging.getLogger("infer").info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency for %d-token requests: "
-            "%.2fx", cache.num_blocks, cache.block_size, tokens,
+            "KV cache: %d blocks of %s tokens = %d tokens (%.1f MiB); maximum concurrency for %d-token requests: "
+            "%.2fx", cache.num_blocks, sizes if len(cache.block_multiples) == 1 else
+            f"{cache.block_size} (requests use blocks of {sizes} by expected length)", tokens,
             cache.num_blocks * self.runner.kv_cache_bytes_per_block(cache.block_size) / 2**20, self.max_model_len,
             tokens / self.max_model_len)
         if cache.num_tier_blocks:
@@ -303,7 +326,8 @@ class LLMEngine:
         if self.dist is not None and not a.enforce_eager:
             logging.getLogger("infer").info("decode graphs are not captured with tensor parallelism yet; "
                                             "every step runs eagerly")
-        eager = a.enforce_eager or self.dist is not None
+        # Captured decode graphs take no LoRA indices: with adapters every step runs eagerly.
+        eager = a.enforce_eager or self.dist is not None or a.enable_lora
         self.decode_graphs = None if eager else self._capture_decode(a, cache.block_size)
         eos = self.generation_config.get("eos_token_id", graph.config.eos_token_ids)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
@@ -396,7 +420,12 @@ class LLMEngine:
     # -- set-up helpers ---------------------------------------------------------
 
     def _cache_config(self, a: EngineArgs) -> CacheConfig:
-        block_size = a.block_size or self.backend.preferred_block_size
+        multiples = (1,)
+        if a.block_size == "auto":
+            sizes = self.backend.auto_block_sizes
+            block_size, multiples = sizes[0], tuple(s // sizes[0] for s in sizes)
+        else:
+            block_size = a.block_size or self.backend.preferred_block_size
         per_token = self.runner.kv_cache_bytes_per_block(1)
         if self.dist is not None:  # every rank gets the same number of blocks: size them for the rank with most KV heads
             cfg = self.runner.config
@@ -411,8 +440,8 @@ class LLMEngine:
             raise ValueError(f"kv_offload_bytes={a.kv_offload_bytes} holds no KV block of {block_size} tokens "
                              f"({per_token * block_size} bytes); raise it or pass 0 for no host tier")
         if a.num_gpu_blocks_override:
-            return CacheConfig(block_size, num_blocks=a.num_gpu_blocks_override,
-                               enable_prefix_caching=a.enable_prefix_caching, num_tier_blocks=tier).resolve(block_size)
+            return CacheConfig(block_size, num_blocks=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
+                               num_tier_blocks=tier, block_multiples=multiples).resolve(block_size)
         kv_bytes = a.kv_cache_memory or self._kv_budget(a, per_token, block_size)
         # At least one full context, or the scheduler could never finish a long request.
         floor = per_token * (self.max_model_len + block_size)
@@ -423,7 +452,7 @@ class LLMEngine:
                 a.kv_cache_memory / 2**20, self.max_model_len, per_token, floor / 2**20)
         kv_bytes = max(kv_bytes, floor)
         return CacheConfig(block_size, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=a.enable_prefix_caching,
-                           num_tier_blocks=tier).resolve(block_size, per_token)
+                           num_tier_blocks=tier, block_multiples=multiples).resolve(block_size, per_token)
 
     def _kv_budget(self, a: EngineArgs, per_token: int, block_size: int) -> int:
         """KV pool bytes when the user gave none: on host memory, enough for
@@ -492,11 +521,18 @@ class LLMEngine:
         return prompt, list(self.tokenizer(prompt).input_ids)
 
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        """Queue a request; ValueError (naming the problem) if it cannot be served."""
+                    priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request; ValueError (naming the problem) if it cannot be served.
+        `lora_request`: run it with that PEFT adapter (needs enable_lora)."""
         params = params or SamplingParams()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r} but the "
+                                 "engine runs without LoRA; start it with enable_lora=True (--enable-lora)")
+            self.lora.register(lora_request)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
@@ -517,7 +553,8 @@ class LLMEngine:
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
         req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
-                      eos_token_ids=self.eos_token_ids)
+                      eos_token_ids=self.eos_token_ids,
+                      lora_name=lora_request.lora_name if lora_request is not None else None)
         self._states[request_id] = state
         if grammar is not None and not grammar.done():
             self._awaiting_grammar.append((state, req, grammar))  # scheduled once it compiles
@@ -674,16 +711,28 @@ class LLMEngine:
         mi = out.model_input()
         graphs, meta = self.decode_graphs, mi.attn_metadata
         copies, tier_ops = tuple(out.block_copies), tuple(out.tier_ops)
+        if graphs is not None and meta.block_sizes is not None:  # captured steps read tables of pages
+            meta = expand_block_table(meta)
         if graphs is not None and graphs.can_replay(meta):
             move_blocks(self.runner, tier_ops, copies)
             forward = graphs.forward(mi.input_ids, mi.positions, meta)  # every row's logits
             if len(mi.logits_indices) != meta.num_seqs:  # a one-token prompt chunk samples nothing
                 forward = dataclasses.replace(forward, logits=forward.logits[be.asarray(mi.logits_indices)])
             return _Launched(out, mi, forward)
-        step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies, tier_ops)
+        step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, meta, copies, tier_ops, self._lora_indices(out))
         if not self._pipelined:
             return _Launched(out, mi, self._execute(step))
         return _Launched(out, mi, self._execute(step, wait_logits=False), (len(mi.logits_indices), self.vocab_size))
+
+    def _lora_indices(self, out: SchedulerOutput) -> np.ndarray | None:
+        """[T] each scheduled token's LoRA slot (0: none), the step's adapters put in slots first;
+        None when no request of the step has an adapter."""
+        names = {s.request.lora_name for s in out.scheduled if s.request.lora_name is not None}
+        if self.lora is None or not names:
+            return None  # the step's lora calls pass their input through
+        slots = self.lora.activate(names)
+        per_request = np.array([slots.get(s.request.lora_name, 0) for s in out.scheduled], dtype=np.int64)
+        return np.repeat(per_request, [s.num_tokens for s in out.scheduled])
 
     def _complete(self, launched: _Launched) -> tuple[StepOutput, StepResult]:
         """Sampling of a launched step, handed to the scheduler."""
@@ -859,12 +908,31 @@ def _closed(text: str, parser) -> bool:
     return end != -1 and end > text.rfind(parser.start_marker)
 
 
+def _lora_requests(modules) -> list[LoRARequest]:
+    """`EngineArgs.lora_modules`: LoRARequests, or ``name=path`` strings (ids in order)."""
+    if all(isinstance(m, str) for m in modules):
+        return parse_lora_modules(list(modules))
+    return list(modules)
+
+
 def _check_args(a: EngineArgs) -> None:
     """Reject what the engine would otherwise silently replace (0 read as 'unset'), before loading anything."""
+    if a.enable_lora:
+        if a.max_loras < 1 or a.max_lora_rank < 1 or (a.max_cpu_loras is not None and a.max_cpu_loras < 1):
+            raise ValueError(f"max_loras ({a.max_loras}), max_lora_rank ({a.max_lora_rank}) and max_cpu_loras "
+                             f"({a.max_cpu_loras}) must be >= 1")
+        if a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora does not run with tensor or pipeline parallelism yet "
+                             "(data parallel replicas are fine)")
+    elif a.lora_modules:
+        raise ValueError("lora_modules needs enable_lora=True (--enable-lora)")
     for name in ("max_model_len", "block_size", "num_gpu_blocks_override", "kv_cache_memory"):
         value = getattr(a, name)
+        if name == "block_size" and value == "auto":
+            continue
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer, or None for the default; got {value!r}")
+            raise ValueError(f"{name} must be a positive integer, or None for the default"
+                             f"{' (or auto)' if name == 'block_size' else ''}; got {value!r}")
     if a.cuda_graph_sizes is not None:
         graph_batch_sizes(a.max_num_seqs, a.cuda_graph_sizes)  # raises on a bad size
     if a.kv_cache_dtype not in ("auto", "fp8"):

@@ -20,8 +20,11 @@ from typing import Any
 NODE_KINDS: dict[str, tuple[str, ...]] = {
     "embedding": ("table",),
     "rms_norm": ("weight",),  # residual-fused when it has two inputs
-    "attention": ("qkv_proj", "qkv_bias", "o_proj", "o_bias", "q_norm", "k_norm"),  # all but projections optional
-    "mlp": ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias"),
+    # All but the projections optional; *_lora_a/b: stacked LoRA adapters (`core/lora.py`).
+    "attention": ("qkv_proj", "qkv_bias", "o_proj", "o_bias", "q_norm", "k_norm",
+                  "qkv_lora_a", "qkv_lora_b", "o_lora_a", "o_lora_b"),
+    "mlp": ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias",
+            "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b"),
     "moe": ("router", "w13", "w2", "shared_gate"),  # inputs: x, and a shared expert's output when it has one
     "lm_head": ("weight",),
 }

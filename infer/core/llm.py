@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from .engine import EngineArgs, LLMEngine
+from .lora import LoRARequest
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -25,8 +26,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | dict | Sequence[str | dict], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs in the order of `prompts`.
+
+        `lora_request`: one adapter for every prompt, or one (or None: the base
+        model) per prompt; the engine needs ``enable_lora=True``.
 
         A prompt the engine refuses (empty, too long, ...) does not stop the
         others: its output is finished at once with ``finish_reason='error'``
@@ -39,6 +44,9 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priority values for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         order = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -48,7 +56,7 @@ class LLM:
                 if p is not None and p.structured_outputs is not None:
                     # Compiled before it is queued, so a bad grammar is this prompt's error, not an abort.
                     self.engine.structured.compile(p.structured_outputs).exception()
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, lora_request=loras[i])
             except (ValueError, TypeError) as exc:
                 results[rid] = _failed(rid, prompt, str(exc))
         live = len(prompts) - len(results)

@@ -75,7 +75,8 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
     """Expand `graph`; `fuses(op, attrs)` says whether the backend runs a node whole."""
     calls: list[Call] = []
     for node in graph.nodes:
-        if fuses(node.op, node.attrs):
+        # A node with LoRA adapters runs as primitives: the `lora` calls follow its projections.
+        if fuses(node.op, node.attrs) and not any(r.endswith("_lora_a") for r in node.params):
             shape = _node_output_shape(graph, node)
             expansion = tuple(_EXPANSIONS[node.op](graph, node)) if node.op in _EXPANSIONS else ()
             calls.append(Call(f"fused_{node.op}", node.name, node.inputs, node.outputs, node.params, node.attrs,
@@ -124,6 +125,7 @@ def _attention(g: Graph, n: Node) -> list[Call]:
     calls = [
         Call("linear", name, (x,), (v + "qkv",), _pick(p, weight="qkv_proj", bias="qkv_bias"), {},
              (("T", (hq + 2 * hk) * d),), L),
+        *_lora(n, "qkv", x, v + "qkv", (hq + 2 * hk) * d),
         Call("split", name, (v + "qkv",), (v + "q", v + "k", v + "v"), {}, {"sizes": (hq * d, hk * d, hk * d)},
              (("T", hq * d), ("T", hk * d), ("T", hk * d)), L),
     ]
@@ -147,6 +149,7 @@ def _attention(g: Graph, n: Node) -> list[Call]:
         Call("reshape", name, (v + "o3",), (v + "o",), {}, {"shape": (-1, hq * d)}, (("T", hq * d),), L),
         Call("linear", name, (v + "o",), n.outputs, _pick(p, weight="o_proj", bias="o_bias"), {},
              (("T", g.config.hidden_size),), L),
+        *_lora(n, "o", v + "o", n.outputs[0], g.config.hidden_size),
     ]
     return calls
 
@@ -157,10 +160,21 @@ def _mlp(g: Graph, n: Node) -> list[Call]:
     return [
         Call("linear", name, n.inputs, (name + ".gate_up",), _pick(p, weight="gate_up_proj", bias="gate_up_bias"), {},
              (("T", 2 * inter),), L),
+        *_lora(n, "gate_up", n.inputs[0], name + ".gate_up", 2 * inter),
         Call("act_and_mul", name, (name + ".gate_up",), (name + ".act",), {}, {"kind": n.attrs["act"]}, (("T", inter),), L),
         Call("linear", name, (name + ".act",), n.outputs, _pick(p, weight="down_proj", bias="down_bias"), {},
              (("T", g.config.hidden_size),), L),
+        *_lora(n, "down", name + ".act", n.outputs[0], g.config.hidden_size),
     ]
+
+
+def _lora(n: Node, prefix: str, x: str, y: str, width: int) -> list[Call]:
+    """The `lora` call after a projection, when the node carries adapters for it."""
+    if f"{prefix}_lora_a" not in n.params:
+        return []
+    slices = n.attrs[f"{prefix}_lora_slices"]
+    return [Call("lora", n.name, (x, y), (y,), {"lora_a": n.params[f"{prefix}_lora_a"], "lora_b": n.params[f"{prefix}_lora_b"]},
+                 {"output_slices": slices if len(slices) > 1 else None}, (("T", width),), n.layer)]
 
 
 def _moe(g: Graph, n: Node) -> list[Call]:

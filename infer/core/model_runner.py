@@ -68,6 +68,7 @@ class ModelRunner:
         # The program's results: logits, or on a stage before the last what the next stage needs.
         self.outputs = ("logits",) if any(n.op == "lm_head" for n in program.graph.nodes) else CARRIED
         self._node_ops = {n.name: n.op for n in program.graph.nodes}
+        self.has_lora = any(c.primitive == "lora" for c in program.calls)  # LoRA stacks (`core/lora.py`)
         self._load_params(weights, progress)
         # Each MoE layer's tokens-per-expert value: forward returns it (ForwardOutput.expert_counts).
         self._count_outputs = tuple((c.layer, c.outputs[1]) for c in program.primitive_calls() if c.primitive == "moe")
@@ -153,7 +154,8 @@ class ModelRunner:
                 users.setdefault(n, []).append(c)
         for name in progress(list(dict.fromkeys(first + list(params)))):
             p = params[name]
-            key = (p.sources, p.slices, p.zeros)  # tied parameters (the same slices of one tensor) share one
+            # Tied parameters (the same slices of one tensor) share one; sourceless ones (LoRA stacks) never do.
+            key = (p.sources, p.slices, p.zeros) if p.sources else (name,)
             if key not in built:
                 built[key] = self._load_param(name, weights)
             self.tensors[name] = built[key]
@@ -211,6 +213,10 @@ class ModelRunner:
         self._steps = [self._bind(c, fast) for c in self.program.calls]
         self._validated = False
 
+    def assign_slot(self, param: str, slot: int, rows: np.ndarray) -> None:
+        """Write one slot (first index) of a stacked parameter (a LoRA stack) from host rows."""
+        self.backend.set_rows(self.tensors[param], slot, self.backend.asarray(rows, self.dtype))
+
     def allocate_kv_tier(self, num_blocks: int, path: str | None = None) -> None:
         """The host tier's store for this rank's layers (`kv_tier.TierStore`), sized by
         what the backend's `read_blocks` gives per block; a memory-mapped file on a
@@ -265,7 +271,12 @@ class ModelRunner:
         outs = c.outputs
         starts_residual = prim == "rms_norm" and len(c.inputs) == 1 and len(outs) == 2
 
+        no_adapter = prim == "lora"  # a step without adapters (lora_indices None) keeps y as it is
+
         def run(env):
+            if no_adapter and env["lora_indices"] is None:
+                env[outs[0]] = env[c.inputs[1]]
+                return
             args = template.copy()
             for i, name in slots:
                 args[i] = env[name]
@@ -315,15 +326,19 @@ class ModelRunner:
         return self.ops.prepare_metadata(meta, **self.attention_key)
 
     def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata,
-                carry: dict[str, Any] | None = None) -> ForwardOutput:
+                carry: dict[str, Any] | None = None, lora_indices=None) -> ForwardOutput:
         """Logits [S, vocab] (float32) of the rows in `sample_rows`, and each MoE
         layer's tokens per expert; all inputs on the device. A pipeline stage after
         the first starts from `carry` (the previous stage's ``hidden`` and
-        ``residual``); one before the last returns its own carry instead of logits."""
+        ``residual``); one before the last returns its own carry instead of logits.
+        `lora_indices` [T]: each token's LoRA adapter slot (0: none), for a program
+        with `lora` calls."""
         if not self._steps:
             raise RuntimeError("ModelRunner.forward before allocate_kv_caches")
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta,
                "slot_mapping": meta.slot_mapping, **(carry or {})}
+        if self.has_lora:
+            env["lora_indices"] = lora_indices  # None: no adapter in the step, the lora calls pass y through
         steps = self._steps if self._validated else self._checked_steps
         for step, dead in zip(steps, self._dead):
             step(env)

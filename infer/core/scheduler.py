@@ -65,6 +65,10 @@ class SchedulerStats:
     tier_used_blocks: int = 0
     # Allocated but unused token slots over allocated slots, in the blocks running requests hold, percent.
     kv_cache_fragmentation_perc: float = 0.0
+    # LoRA (max_loras 0: off): the adapters of running and of waiting requests.
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 class Scheduler:
@@ -78,7 +82,7 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = bs = cache_config.block_size
         self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching,
-                                          cache_config.num_tier_blocks)
+                                          cache_config.num_tier_blocks, cache_config.block_multiples)
         # Unset (no model to ask): the longest context the pool, and without
         # chunking one step's budget, can hold.
         self.max_model_len = scheduler_config.max_model_len or cache_config.num_blocks * bs
@@ -193,6 +197,9 @@ class Scheduler:
             tier_blocks=bm.tier.num_slots if bm.tier is not None else 0,
             tier_used_blocks=bm.tier.num_used if bm.tier is not None else 0,
             kv_cache_fragmentation_perc=self._fragmentation(),
+            max_loras=self.config.max_loras,
+            running_loras=tuple(sorted({r.lora_name for r in self.running if r.lora_name is not None})),
+            waiting_loras=tuple(sorted({e[-1].lora_name for e in self.waiting if e[-1].lora_name is not None})),
         )
 
     def _fragmentation(self) -> float:
@@ -217,11 +224,14 @@ class Scheduler:
         preempted: list[str] = []
 
         blocked = False
+        loras: set[str] = set()  # adapters this step uses, at most cfg.max_loras
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or req.request_id in self._busy:
                 continue  # preempted as a victim earlier in this loop, or its last step is still in flight
             if budget == 0 or len(num_new) == cap:
                 break
+            if self._lora_full(req, loras):
+                continue  # its adapter waits for a step with a free slot
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
             drafts = self._num_drafts(req, n, budget)
             if drafts and not bm.allocate_slots(req, n + drafts):
@@ -241,10 +251,16 @@ class Scheduler:
                 break  # it preempted itself: the pool is exhausted
             num_new[req.request_id] = n
             budget -= n
+            if req.lora_name is not None:
+                loras.add(req.lora_name)
 
+        skipped = []  # waiting requests whose adapter finds no slot this step: back in the queue after
         while (self.waiting and not preempted and not blocked and budget > 0 and len(self.running) < cfg.max_num_seqs
                and len(num_new) < cap):
             req = self.waiting[0][-1]
+            if self._lora_full(req, loras):
+                skipped.append(heapq.heappop(self.waiting))
+                continue
             if bm.is_swapped(req.request_id):  # preempted by swapping: its blocks come back, nothing recomputed
                 num_hit = req.num_computed_tokens
                 n = self._num_new_tokens(req, num_hit, budget)
@@ -266,6 +282,10 @@ class Scheduler:
             self.running.append(req)
             num_new[req.request_id] = n
             budget -= n
+            if req.lora_name is not None:
+                loras.add(req.lora_name)
+        for item in skipped:
+            heapq.heappush(self.waiting, item)
 
         scheduled = [self._scheduled_request(self.requests[rid], n) for rid, n in num_new.items()]
         finished, self._finished_ids = self._finished_ids, []
@@ -407,12 +427,18 @@ class Scheduler:
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)
 
+    def _lora_full(self, req: Request, loras: set[str]) -> bool:
+        """Whether the step already uses max_loras adapters, none of them the request's."""
+        name = req.lora_name
+        return name is not None and 0 < self.config.max_loras <= len(loras) and name not in loras
+
     def _scheduled_request(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         tokens = req.all_token_ids[start : start + n]
         drafts = n - len(tokens)
         if drafts:
             tokens = tokens + req.spec_token_ids[:drafts]
-        block_ids = self.block_manager.block_table_row(req.request_id)
+        bm = self.block_manager
+        block_ids = bm.block_table_row(req.request_id)
         return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n - drafts == req.num_tokens, req,
-                                drafts)
+                                drafts, bm.pages_per_block(req.request_id))

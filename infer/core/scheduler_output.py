@@ -28,6 +28,9 @@ class ScheduledRequest:
     num_drafts  speculative tokens after the last known one (the last `num_drafts`
                 of `token_ids`): the logits of the last ``1 + num_drafts`` rows are
                 sampled, verifying each draft.
+    pages_per_block  pages (blocks of the pool's `block_size`) in each of the
+                request's blocks; `block_ids` lists pages either way, k > 1
+                of them in aligned runs of k (``--block-size auto``).
     """
 
     request_id: RequestId
@@ -38,6 +41,7 @@ class ScheduledRequest:
     do_sample: bool
     request: Request = field(repr=False)
     num_drafts: int = 0
+    pages_per_block: int = 1
 
     @property
     def seq_len(self) -> int:
@@ -121,6 +125,16 @@ class SchedulerOutput:
         offset_in_query = np.arange(num_tokens) - query_start_loc[row_req]
         positions = (seq_lens - q_lens)[row_req].astype(np.int64) + offset_in_query
         slot_mapping = block_table[row_req, positions // bs].astype(np.int64) * bs + positions % bs
+        pages = np.array([s.pages_per_block for s in scheduled], dtype=np.int32)
+        block_sizes = None
+        if (pages > 1).any():  # mixed block sizes: each row in units of its own blocks
+            block_sizes = pages * bs
+            width = max(-(-len(s.block_ids) // k) for s, k in zip(scheduled, pages.tolist()))
+            table = np.zeros((len(scheduled), width), dtype=np.int32)
+            for b, (s, k) in enumerate(zip(scheduled, pages.tolist())):
+                row = np.asarray(s.block_ids[::k]) // k
+                table[b, : len(row)] = row
+            block_table = table
         input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64, count=num_tokens)
         sampled = [b for b, s in enumerate(scheduled) if s.do_sample]
         ends = query_start_loc[1:][sampled].astype(np.int64)
@@ -139,6 +153,7 @@ class SchedulerOutput:
             max_query_len=int(q_lens.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),
             block_size=bs,
+            block_sizes=block_sizes,
         )
         return ModelInput(
             input_ids=input_ids,

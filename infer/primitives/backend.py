@@ -57,6 +57,12 @@ class Backend(ABC):
     # torch.distributed backend used for all_reduce/all_gather.
     dist_backend: ClassVar[str] = "gloo"
     preferred_block_size: ClassVar[int] = 16
+    # `--block-size auto`: the page (the cache's block size) and the larger block
+    # sizes requests may use, multiples of it: (page, 2 pages, 4 pages).
+    auto_block_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32)
+    # Whether `attention` (and `plan_attention`) take `AttentionMetadata.block_sizes`
+    # (mixed block sizes in a batch) as is; if not, they get tables of pages.
+    native_block_sizes: ClassVar[bool] = False
     # Human-readable layout of one layer's cache (see `kv_cache_shape`).
     kv_cache_layout: ClassVar[str] = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
     dtypes: ClassVar[tuple[str, ...]] = ("float32",)
@@ -207,6 +213,11 @@ class Backend(ABC):
             blocks = np.ascontiguousarray(data).view(cache.dtype).reshape(len(ids), *block_shape)
             cache[:, ids] = np.moveaxis(blocks, 0, 1)
 
+    def set_rows(self, dst: Any, index: int, src: Any) -> None:
+        """``dst[index] = src`` in place, `src` an array of this backend (a LoRA
+        adapter written into its slot of a stacked weight)."""
+        dst[index] = src
+
     def plan_attention(self, meta: AttentionMetadata) -> AttentionPlan | None:
         """This backend's plan of a step's attention, from the step's host
         metadata (NumPy arrays: no device sync), or None (the default).
@@ -230,6 +241,7 @@ class Backend(ABC):
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             block_size=meta.block_size,
+            block_sizes=None if meta.block_sizes is None else self.asarray(meta.block_sizes),
         )
 
     def prepare_sampling(self, params: SamplingTensors) -> SamplingTensors:

@@ -52,6 +52,7 @@ SIGNATURES: dict[str, tuple[Arg, ...]] = {
                       "soft_cap:attr?", "kv_scales:layer?"),
     "moe": _sig("x:value", "router_logits:value", "w13:weight", "w2:weight", "top_k:attr", "renormalize:attr",
                 "shared:value?", "shared_gate:value?"),
+    "lora": _sig("x:value", "y:value", "lora_a:weight", "lora_b:weight", "lora_indices:step", "output_slices:attr?"),
     "sample": _sig("logits:value", "params:step"),
     "all_reduce": _sig("x:value", "group:attr?"),
     "all_gather": _sig("x:value", "dim:attr?", "group:attr?"),

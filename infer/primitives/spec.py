@@ -1,4 +1,4 @@
-"""The ten meta-primitives (contract v1): signatures, semantics, argument checks.
+"""The meta-primitives (contract v2): signatures, semantics, argument checks.
 
 Every backend implements a primitive as a method of the same name and
 signature. ``T`` is the number of flattened tokens in a step, ``B`` the number
@@ -68,6 +68,19 @@ moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None
     rounded once. `Ops.resolve` passes ``shared_expert=True`` when a model
     uses it, so a backend without it can decline and fall back.
 
+lora(x, y, lora_a, lora_b, lora_indices, output_slices=None) -> [T, N]
+    Batched LoRA on a linear's output (punica's shrink then expand). x [T, K]
+    is the linear's input and y [T, N] its output, in x's dtype; lora_a
+    [S, P*R, K] and lora_b [S, N, R] are S stacked adapters in x's dtype,
+    one rank-R pair per output slice (`output_slices`, P column counts summing
+    to N, e.g. q/k/v of a fused qkv; None: one slice of N), an adapter's
+    scaling folded into its B, ranks below R padded with zeros. lora_indices
+    [T] int picks each token's slot s. For s > 0 the columns of slice p get
+    ``(x[t] @ lora_a[s, p*R:(p+1)*R].T) @ lora_b[s, cols_p].T`` added, in
+    float32, rounded once to y's dtype; a token with s == 0 (no adapter) keeps
+    its row of y, and slot 0's weights are never read. A backend may write
+    into y.
+
 sample(logits, params) -> SampleOutput
     logits [B, V] float32 with a `SamplingTensors` row per request; see
     `SamplingTensors` for the exact order of penalties, the structured-output
@@ -94,6 +107,7 @@ PRIMITIVES: tuple[str, ...] = (
     "kv_write",
     "attention",
     "moe",
+    "lora",
     "sample",
     "all_reduce",
     "all_gather",
@@ -245,6 +259,28 @@ def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared
             raise PrimitiveArgumentError("moe", "shared_gate", "is given without 'shared', which it would scale")
         if _check_rank("moe", "shared_gate", shared_gate, 2, "[T, 1]") != (t, 1):
             raise PrimitiveArgumentError("moe", "shared_gate", f"must be [{t}, 1], got {_shape(shared_gate)}")
+
+
+def check_lora(x, y, lora_a, lora_b, lora_indices, output_slices=None) -> None:
+    t, k = _check_rank("lora", "x", x, 2, "[T, K]")
+    dt = _check_float("lora", "x", x)
+    ty, n = _check_rank("lora", "y", y, 2, "[T, N]")
+    if ty != t:
+        raise PrimitiveArgumentError("lora", "y", f"must have {t} rows like x, got {ty}")
+    _check_same_dtype("lora", "y", y, dt)
+    slices = tuple(output_slices) if output_slices is not None else (n,)
+    if sum(slices) != n or min(slices, default=0) <= 0:
+        raise PrimitiveArgumentError("lora", "output_slices", f"must be positive and sum to N={n}, got {slices}")
+    s, pr, ka = _check_rank("lora", "lora_a", lora_a, 3, "[S, P*R, K]")
+    if ka != k or pr % len(slices):
+        raise PrimitiveArgumentError("lora", "lora_a", f"must be [S, {len(slices)}*R, {k}], got {_shape(lora_a)}")
+    _check_same_dtype("lora", "lora_a", lora_a, dt)
+    if _check_rank("lora", "lora_b", lora_b, 3, "[S, N, R]") != (s, n, pr // len(slices)):
+        raise PrimitiveArgumentError("lora", "lora_b", f"must be [{s}, {n}, {pr // len(slices)}], got {_shape(lora_b)}")
+    _check_same_dtype("lora", "lora_b", lora_b, dt)
+    if _check_rank("lora", "lora_indices", lora_indices, 1, "[T]") != (t,):
+        raise PrimitiveArgumentError("lora", "lora_indices", f"must be [{t}], got {_shape(lora_indices)}")
+    _check_int("lora", "lora_indices", lora_indices)
 
 
 def check_sample(logits, params) -> None:

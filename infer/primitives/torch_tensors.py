@@ -70,6 +70,9 @@ class TorchTensors(Backend):
             blocks = raw.view(kv_cache.dtype).reshape(len(ids), *block_shape)
             kv_cache[:, torch.from_numpy(ids).to(kv_cache.device)] = blocks.movedim(0, 1)
 
+    def set_rows(self, dst: torch.Tensor, index: int, src: torch.Tensor) -> None:
+        dst[index].copy_(src)
+
     def kv_cache_to_numpy(self, kv_cache: Any) -> tuple[np.ndarray, np.ndarray]:
         if kv_cache.dtype == torch.uint8:  # fp8 codes as their (unscaled) values
             return tuple(self.to_numpy(kv_cache[i].view(torch.float8_e4m3fn).float()) for i in (0, 1))

@@ -9,6 +9,7 @@ as NumPy arrays and hands them to `Backend.prepare_metadata` /
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -70,9 +71,20 @@ class AttentionMetadata:
                        new token's K/V is written; -1 marks a padded row to skip.
       max_query_len    int, max of q_len (0 for an empty batch).
       max_seq_len      int, max of seq_lens (0 for an empty batch).
-      block_size       int, tokens per KV block.
+      block_size       int, tokens per KV block: the cache's page.
       plan             the attention provider's `AttentionPlan` for this step,
                        or None (see `AttentionPlan`).
+      block_sizes      [B] int32 or None. With ``--block-size auto`` requests use
+                       blocks of different sizes, each a multiple of `block_size`:
+                       request b's block of ``s = block_sizes[b]`` tokens is
+                       ``k = s // block_size`` consecutive pages, and its
+                       `block_table` row holds block ids in units of its own
+                       size (entry e covers pages ``e*k .. e*k + k-1``); position p
+                       lives in page ``block_table[b, p // s] * k + (p % s) // block_size``.
+                       `slot_mapping` stays in cache slots. None: every request
+                       uses `block_size`. Only a provider that declares
+                       `native_block_sizes` sees it; the core hands the others the
+                       table in pages (`expand_block_table`).
     """
 
     query_start_loc: Any
@@ -83,6 +95,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     plan: AttentionPlan | None = None
+    block_sizes: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -100,6 +113,22 @@ class AttentionMetadata:
     @backend_data.setter
     def backend_data(self, value: Any) -> None:
         self.plan = value
+
+
+def expand_block_table(meta: AttentionMetadata) -> AttentionMetadata:
+    """Host metadata with mixed block sizes (`AttentionMetadata.block_sizes`) as one
+    table of cache pages: row b's entry e of ``k`` pages becomes entries
+    ``e*k .. e*k + k-1``. Metadata without `block_sizes` comes back as is."""
+    import numpy as np
+
+    if meta.block_sizes is None:
+        return meta
+    table = np.asarray(meta.block_table, dtype=np.int64)
+    k = np.maximum(np.asarray(meta.block_sizes, dtype=np.int64) // meta.block_size, 1)[:, None]
+    col = np.arange(table.shape[1] * int(k.max(initial=1)))[None, :]
+    entry = np.minimum(col // k, max(table.shape[1] - 1, 0))  # past a row's entries: padding, ignored
+    pages = np.take_along_axis(table, entry, axis=1) * k + col % k if table.size else table
+    return dataclasses.replace(meta, block_table=pages.astype(np.int32), block_sizes=None)
 
 
 @dataclass(slots=True)

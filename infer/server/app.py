@@ -13,6 +13,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_error_handlers
 from .guard import install_accept_error_limiter
+from .lora import install_lora_routes
 from .metrics import Metrics
 from .models import ModelRegistry
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, TokenizeRequest
@@ -22,7 +23,8 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
 def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limits: RequestLimits | None = None,
+               allow_lora_updates: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         install_accept_error_limiter(asyncio.get_running_loop())
@@ -47,7 +49,10 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [m.describe() for m in models]}
+        return {"object": "list", "data": [m.describe() for m in models] + [a.describe() for a in models.adapters.values()]}
+
+    if allow_lora_updates:
+        install_lora_routes(app, models)
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict:

@@ -57,6 +57,9 @@ def add_serve(sub) -> None:
                    help="let the model decide when to call tools (tool_choice 'auto'); needs --tool-call-parser")
     t.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="how tool calls are read from the model's text: hermes, llama3_json, or a plugin's")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); "
+                        "env VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=cmd_serve)
@@ -120,7 +123,11 @@ def build(args: argparse.Namespace):
             r.shutdown()
         raise
     keys = args.api_key or ([os.environ["INFER_API_KEY"]] if os.environ.get("INFER_API_KEY") else None)
-    return create_app(registry, metrics, keys, args.max_request_body_bytes, limits)
+    updates = args.allow_runtime_lora_updating or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in (
+        "1", "true")
+    if updates and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    return create_app(registry, metrics, keys, args.max_request_body_bytes, limits, allow_lora_updates=updates)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

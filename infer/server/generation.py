@@ -41,7 +41,7 @@ class Generation:
             rid = f"{self.request_id}-{i}"
             try:
                 prompt = await self._within_context(prompt)
-                stream = await self.model.llm.generate(rid, prompt, self.params, self.priority)
+                stream = await self.model.llm.generate(rid, prompt, self.params, self.priority, self.model.lora)
             except (ValueError, TypeError) as exc:
                 self.abort()
                 message = str(exc).replace(f"request {rid!r}: ", "")

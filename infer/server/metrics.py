@@ -10,6 +10,7 @@ expert), so it has its own two families, fed from the engine's `ExpertLoad`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,6 +103,9 @@ class Metrics:
         # MoE models only: two labels (layer, expert), so outside the one-label tables above.
         self._expert_tokens = Counter(PREFIX + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
                                       key + ["layer", "expert"], registry=reg)
+        # vLLM's LoRA gauge: the adapters in use as labels, the time of the reading as the value.
+        self._lora_info = Gauge(PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                key + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=reg)
         self._expert_imbalance = Gauge(PREFIX + "moe_expert_imbalance",
                                        "Max/mean of a MoE layer's accumulated tokens per expert (1 = balanced).",
                                        key + ["layer"], registry=reg)
@@ -118,9 +122,17 @@ class Metrics:
         for tier, _ in TIERS:
             self._hits.labels(*key, tier)
 
+        lora_labels: list = [None]  # the series last set: replaced, not accumulated
+
         def record(stats: SchedulerStats, it: IterationStats | None) -> None:
             for f, g in self._gauges:
                 g.labels(*key).set(f.read(stats))
+            if stats.max_loras:
+                labels = (str(stats.max_loras), ",".join(stats.running_loras), ",".join(stats.waiting_loras))
+                if lora_labels[0] not in (None, labels):
+                    self._lora_info.remove(*key, *lora_labels[0])
+                self._lora_info.labels(*key, *labels).set(time.time())
+                lora_labels[0] = labels
             for f, c in self._totals:
                 v, prev = f.read(stats), last.get(f.name, 0)
                 if v > prev:

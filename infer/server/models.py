@@ -35,6 +35,7 @@ class ServedModel:
     # The API requests running (Generation objects), and whether a shutdown cut them short.
     live: set = field(default_factory=set, repr=False)
     cut_short: bool = False
+    lora: Any = None  # the base model runs without an adapter (see `AdapterModel`)
 
     def __post_init__(self):
         # The engine thread detokenizes with its tokenizer while the event loop
@@ -125,6 +126,22 @@ class ServedModel:
                 "root": self.engine.args.model, "parent": None, "max_model_len": self.max_model_len}
 
 
+class AdapterModel:
+    """A LoRA adapter served by name: its base model's `ServedModel` (engine, tokenizer,
+    limits) under the adapter's name, whose requests carry the adapter."""
+
+    def __init__(self, base: ServedModel, lora):
+        self.base, self.lora, self.name = base, lora, lora.lora_name
+        self.created = int(time.time())
+
+    def __getattr__(self, attr: str):
+        return getattr(self.base, attr)
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",
+                "root": self.lora.lora_path, "parent": self.base.name, "max_model_len": self.base.max_model_len}
+
+
 class ModelRegistry:
     def __init__(self, models: list[ServedModel]):
         if not models:
@@ -136,14 +153,33 @@ class ModelRegistry:
                              "(use --served-model-name)")
         self.models = {m.name: m for m in models}
         self.default = models[0]
+        self.adapters: dict[str, AdapterModel] = {}
+        for m in models:  # adapters given with --lora-modules
+            manager = m.engine.lora
+            for lora in manager.known.values() if manager is not None else ():
+                self.add_adapter(m, lora)
 
-    def get(self, name: str | None) -> ServedModel:
-        """The model a request names, the first served one when it names none; 404 otherwise."""
+    def get(self, name: str | None) -> ServedModel | AdapterModel:
+        """The model (or adapter) a request names, the first served model when it names none; 404 otherwise."""
         if name is None:
             return self.default
-        model = self.models.get(name)
+        model = self.models.get(name) or self.adapters.get(name)
         if model is None:
-            raise APIError(404, f"the model '{name}' does not exist; served: {', '.join(self.models)}", "model")
+            served = ", ".join([*self.models, *self.adapters])
+            raise APIError(404, f"the model '{name}' does not exist; served: {served}", "model")
+        return model
+
+    def add_adapter(self, base: ServedModel, lora) -> AdapterModel:
+        if lora.lora_name in self.models or lora.lora_name in self.adapters:
+            raise APIError(400, f"the name '{lora.lora_name}' is already served", "lora_name")
+        adapter = self.adapters[lora.lora_name] = AdapterModel(base, lora)
+        return adapter
+
+    def lora_base(self) -> ServedModel:
+        """The served model adapters load onto: the first one started with LoRA."""
+        model = next((m for m in self if m.engine.lora is not None), None)
+        if model is None:
+            raise APIError(400, "no served model runs with LoRA; start the server with --enable-lora")
         return model
 
     def __iter__(self):

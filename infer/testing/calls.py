@@ -214,6 +214,13 @@ def call_moe(h: Harness, x: dict) -> None:
     h.out("tokens_per_expert", counts, dtype="int64")
 
 
+def call_lora(h: Harness, x: dict) -> None:
+    y = h.f(x["y"])
+    out = h.call("lora", x=h.f(x["x"]), y=y, lora_a=h.f(x["lora_a"]), lora_b=h.f(x["lora_b"]),
+                 lora_indices=h.i(x["lora_indices"]), output_slices=x["output_slices"])
+    h.out("out", out, like=y)
+
+
 def call_sample(h: Harness, x: dict) -> None:
     res: SampleOutput = h.call("sample", logits=h.i(x["logits"]), params=h.backend.prepare_sampling(x["params"]))
     h.out("token_ids", res.token_ids, dtype="int64")

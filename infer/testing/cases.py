@@ -82,6 +82,17 @@ def _attention_specs(block_size: int) -> list[tuple[str, dict]]:
         ("fp8_kv_mixed_gqa3_d64", dict(reqs=mixed, hq=6, d=64, kv_scales=(0.5, 2.0))),
         ("fp8_kv_decode_gqa8_d128", dict(reqs=[(1, 9), (1, 40), (1, 3)], hq=16, d=128, kv_scales=(0.25, 1.0))),
     ]
+    # Mixed block sizes in one batch (--block-size auto): blocks of 1, 2 and 4 pages.
+    long_mixed = [(5, 70), (1, 33), (9, 9), (1, 130), (17, 64)]
+    specs += [
+        ("mixed_block_sizes_gqa3_d64", dict(reqs=long_mixed, hq=6, d=64, pages=[4, 1, 2, 4, 2])),
+        ("mixed_block_sizes_decode_gqa8_d128", dict(reqs=[(1, 65), (1, 16), (1, 100)], hq=16, d=128,
+                                                    pages=[2, 1, 4])),
+        ("mixed_block_sizes_window_gqa3_d64", dict(reqs=long_mixed, hq=6, d=64, pages=[2, 4, 1, 4, 1],
+                                                   sliding_window=20)),
+        ("mixed_block_sizes_fp8_gqa3_d64", dict(reqs=long_mixed, hq=6, d=64, pages=[4, 2, 1, 2, 4],
+                                                kv_scales=(0.5, 2.0))),
+    ]
     if block_size != 16:
         b = block_size
         reqs = [(1, b - 1), (1, b), (1, b + 1), (3, b + 2)]
@@ -220,6 +231,15 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("shared_gated_top4", dict(top_k=4, renormalize=False, shared="gated")),
         ("shared_plain_top2", dict(top_k=2, renormalize=True, shared="plain")),
         ("shared_gated_one_token", dict(t=1, top_k=2, renormalize=False, shared="gated")),
+    ])
+    cases += _each_dtype("lora", [
+        ("decode_4_slots", dict(t=7)), ("one_slice_rank16", dict(t=9, rank=16, k=64, slices=(24,))),
+        ("qkv_slices", dict(t=11, slices=(32, 16, 16))), ("gate_up_slices", dict(t=6, slices=(40, 40))),
+        ("no_adapter_rows", dict(t=5, indices="none")), ("one_adapter_every_row", dict(t=8, indices="same")),
+        ("one_token", dict(t=1, indices="same")), ("empty_batch", dict(t=0)),
+        # Enough tokens for a backend's prefill form (grouped by slot) rather than its decode form.
+        ("prefill_600_tokens", dict(t=600, slices=(24, 8, 8), k=32)),
+        ("prefill_runs_of_one_adapter", dict(t=300, slices=(24, 8, 8), k=32, indices="runs")),
     ])
     # Logits are float32 by contract, so sampling has float32 cases only.
     cases += _each_dtype("sample", _SAMPLE_SPECS, dtypes=("float32",))

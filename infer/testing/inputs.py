@@ -100,27 +100,46 @@ def read_write_blocks(rng, dtype, src, dst, kv_scales=None, **shape):
     return {**copy_blocks(rng, dtype, src, dst, **shape), "kv_scales": kv_scales}
 
 
+def _mixed_blocks(rng, blocks_per_req: list[int], pages: list[int]) -> list[np.ndarray]:
+    """Each request's block ids in units of its own block (`pages[b]` pages, aligned):
+    every block in a different group of max(pages) pages (group 0 unused, groups
+    shuffled) at a random aligned place in it, so the rest of the group stays empty."""
+    group = max(pages)
+    groups = rng.permutation(sum(blocks_per_req)) + 1
+    rows, start = [], 0
+    for n, k in zip(blocks_per_req, pages):
+        first = groups[start : start + n] * group + rng.integers(0, group // k, size=n) * k
+        rows.append((first // k).astype(np.int32))
+        start += n
+    return rows
+
+
 def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0,
-              kv_scales=None):
+              kv_scales=None, pages=None):
     """A paged batch: `reqs` is (q_len, seq_len) per request; (1, 0) is a
     padding row (as a captured decode step pads its batch): slot -1, no key.
 
     Blocks are shuffled and block 0 is never used, so a backend that ignores
     `block_table` or assumes contiguous blocks reads wrong (or zero) K/V.
+    `pages`: mixed block sizes (`AttentionMetadata.block_sizes`), request b's
+    blocks being `pages[b]` pages of `block_size` tokens each.
     """
     q_lens = np.array([q for q, _ in reqs], dtype=np.int32)
     seq_lens = np.array([s for _, s in reqs], dtype=np.int32)
-    blocks_per_req = [-(-int(s) // block_size) for s in seq_lens]
-    physical = rng.permutation(sum(blocks_per_req)) + 1
+    sizes = [block_size * k for k in (pages or [1] * len(reqs))]
+    blocks_per_req = [-(-int(s) // size) for s, size in zip(seq_lens, sizes)]
+    if pages:
+        rows = _mixed_blocks(rng, blocks_per_req, pages)
+    else:
+        physical = rng.permutation(sum(blocks_per_req)) + 1
+        rows = np.split(physical, np.cumsum(blocks_per_req)[:-1]) if reqs else []
     block_table = np.zeros((len(reqs), max(blocks_per_req, default=1)), dtype=np.int32)
     cached_k, cached_v, cached_slots, new_k, new_v, new_slots = [], [], [], [], [], []
-    start = 0
     for b, (q_len, seq_len) in enumerate(reqs):
-        n = blocks_per_req[b]
-        block_table[b, :n] = physical[start : start + n]
-        start += n
-        pos = np.arange(seq_len)
-        slots = block_table[b, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        block_table[b, : blocks_per_req[b]] = rows[b]
+        pos, size = np.arange(seq_len), sizes[b]
+        page = block_table[b, pos // size].astype(np.int64) * (size // block_size) + (pos % size) // block_size
+        slots = page * block_size + pos % block_size
         if seq_len == 0:  # a padding row (one query, no key): its K/V go to slot -1, nowhere
             assert q_len == 1, "a request with seq_len 0 is a padding row of one query"
             new_k.append(_normal(rng, (1, hk, d), dtype)), new_v.append(_normal(rng, (1, hk, d), dtype))
@@ -142,14 +161,16 @@ def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None,
         max_query_len=int(q_lens.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
         block_size=block_size,
+        block_sizes=np.array(sizes, dtype=np.int32) if pages else None,
     )
+    num_pages = max((int(sl.max()) // block_size for sl in cached_slots + new_slots if len(sl)), default=0) + 1
     return {
         "q": _normal(rng, (int(q_lens.sum()), hq, d), dtype, q_scale),
         "cached_k": cat(cached_k, (hk, d)), "cached_v": cat(cached_v, (hk, d)),
         "cached_slots": cat(cached_slots, (), np.int64),
         "new_k": cat(new_k, (hk, d)), "new_v": cat(new_v, (hk, d)),
         "meta": meta,
-        "cache_shape": (int(physical.max(initial=0)) + 1, block_size, hk, d),
+        "cache_shape": (num_pages + (max(pages) if pages else 0), block_size, hk, d),
         "scale": d**-0.5, "sliding_window": sliding_window, "soft_cap": soft_cap, "kv_scales": kv_scales,
     }
 
@@ -299,8 +320,29 @@ def all_gather(rng, dtype, dim):
     return {"xs": _per_rank(rng, dtype), "dim": dim}
 
 
+def lora(rng, dtype, t, slices=(40,), k=48, rank=8, slots=4, indices="mixed"):
+    """A linear's input and output and `slots` stacked adapters; slot 0 holds
+    garbage (it must never be read). `indices`: 'mixed' (every slot, 0 included,
+    in random order), 'runs' (six runs of one slot), 'none' (all 0) or one slot
+    for every token ('same')."""
+    n, p = sum(slices), len(slices)
+    a = _normal(rng, (slots, p * rank, k), dtype, 0.3)
+    b = _normal(rng, (slots, n, rank), dtype, 0.3)
+    a[0], b[0] = 1e4, -1e4  # a backend that reads slot 0 shows it
+    if indices == "mixed":
+        idx = rng.permutation(np.arange(t) % slots)
+    elif indices == "runs":  # long runs of one slot each, as a batch of prefill chunks has them
+        idx = np.repeat(rng.integers(0, slots, 6), -(-t // 6))[:t]
+    elif indices == "none":
+        idx = np.zeros(t)
+    else:
+        idx = np.full(t, slots - 1)
+    return {"x": _normal(rng, (t, k), dtype), "y": _normal(rng, (t, n), dtype), "lora_a": a, "lora_b": b,
+            "lora_indices": idx.astype(np.int64), "output_slices": tuple(slices) if p > 1 else None}
+
+
 BUILDERS: dict[str, Any] = {
     name: globals()[name]
-    for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "moe",
+    for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "moe", "lora",
                  "sample", "all_reduce", "all_gather", "copy_blocks", "read_write_blocks")
 }

@@ -21,7 +21,7 @@ import torch
 from ...primitives.types import AttentionMetadata, Support
 from ...primitives.torch_tensors import TORCH_DTYPES, TorchTensors
 from . import attention as attn
-from . import layers, linear, moe
+from . import layers, linear, lora, moe
 from .availability import probe, tensor_device
 
 # Why attention goes to torch for a static property (the core asks once per layer).
@@ -37,6 +37,7 @@ class AscendBackend(TorchTensors):
     dist_backend = "hccl"
     # vllm-ascend's block size on 910B; the fused attention pages by 128..512.
     preferred_block_size = 128
+    auto_block_sizes = (32, 64, 128)  # FIA pages are multiples of 16; 128 (its best) for long requests
     kv_cache_layout = "[2, num_blocks, block_size, num_kv_heads, head_dim] (K, V caches for npu_scatter_pa_kv_cache)"
     dtypes = ("float32", "float16", "bfloat16")
     weight_kinds = ("dense", "int4_group", "int8_group")  # weight-only quantized: npu_weight_quant_batchmatmul
@@ -114,3 +115,4 @@ class AscendBackend(TorchTensors):
     kv_write = staticmethod(attn.kv_write)
     attention = staticmethod(attn.attention)
     moe = staticmethod(moe.moe)
+    lora = staticmethod(lora.lora)

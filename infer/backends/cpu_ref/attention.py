@@ -36,6 +36,16 @@ def gather_context(kv_cache, block_ids, seq_len, kv_scales=None):
     return k.astype(np.float64), v.astype(np.float64)
 
 
+def context_pages(meta: AttentionMetadata, b: int) -> np.ndarray:
+    """Cache pages holding request b's context, in order. With mixed block sizes
+    (`meta.block_sizes`) its table counts blocks of `k` consecutive pages."""
+    seq_len, page = int(meta.seq_lens[b]), meta.block_size
+    size = page if meta.block_sizes is None else int(meta.block_sizes[b])
+    k = size // page
+    blocks = np.asarray(meta.block_table[b, : -(-seq_len // size)], dtype=np.int64)
+    return (blocks[:, None] * k + np.arange(k)).reshape(-1)[: -(-seq_len // page)]
+
+
 def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, soft_cap=None, kv_scales=None):
     t, hq, d = q.shape
     hk = kv_cache.shape[3]
@@ -46,8 +56,7 @@ def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, 
         seq_len, q_len = int(meta.seq_lens[b]), end - start
         if q_len == 0 or seq_len == 0:  # seq_len 0: a padding row, which reads nothing (zero output)
             continue
-        n_blocks = -(-seq_len // meta.block_size)
-        k, v = gather_context(kv_cache, meta.block_table[b, :n_blocks], seq_len, kv_scales)
+        k, v = gather_context(kv_cache, context_pages(meta, b), seq_len, kv_scales)
         # Query head h reads KV head h // group.
         k = np.repeat(k, group, axis=1)
         v = np.repeat(v, group, axis=1)

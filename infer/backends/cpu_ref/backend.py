@@ -24,6 +24,7 @@ class CpuRefBackend(Backend):
     dtypes = FLOAT_DTYPES
     weight_kinds = ("dense", *QUANTIZED_KINDS)
     kv_cache_dtypes = ("auto", "fp8")
+    native_block_sizes = True  # attention reads blocks of several pages itself (the oracle of the page tables)
     fallback = None
 
     # -- plumbing -------------------------------------------------------------
@@ -56,6 +57,7 @@ class CpuRefBackend(Backend):
     kv_write = staticmethod(attention.kv_write)
     attention = staticmethod(attention.attention)
     moe = staticmethod(moe.moe)
+    lora = staticmethod(ops.lora)
     sample = staticmethod(sampling.sample)
 
     # Collectives move data with torch.distributed by contract; NumPy has no

@@ -64,3 +64,20 @@ def act_and_mul(x: np.ndarray, kind: str) -> np.ndarray:
     x = x.astype(np.float64)
     i = x.shape[1] // 2
     return (act(x[:, :i], kind) * x[:, i:]).astype(np.float32)
+
+
+def lora(x, y, lora_a, lora_b, lora_indices, output_slices=None):
+    """Each token's adapter, one token and one slice at a time (float64)."""
+    out = np.array(y, dtype=np.float32)
+    slices = tuple(output_slices) if output_slices is not None else (y.shape[1],)
+    rank = lora_a.shape[1] // len(slices)
+    bounds = np.cumsum((0,) + slices)
+    for t, s in enumerate(np.asarray(lora_indices).tolist()):
+        if s <= 0:
+            continue
+        row = out[t].astype(np.float64)
+        for p, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            mid = lora_a[s, p * rank : (p + 1) * rank].astype(np.float64) @ x[t].astype(np.float64)
+            row[lo:hi] += lora_b[s, lo:hi].astype(np.float64) @ mid
+        out[t] = row
+    return out

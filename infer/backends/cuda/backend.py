@@ -23,7 +23,7 @@ from ...primitives.types import QUANTIZED_KINDS, Support
 from ...primitives.torch_tensors import TorchTensors
 from .launch import interpreting
 
-NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe", "linear", "sample")
+NATIVE = ("rms_norm", "rotary", "act_and_mul", "kv_write", "attention", "moe", "linear", "lora", "sample")
 INTERPRETER_NOTE = "Triton interpreter mode (TRITON_INTERPRET=1): kernels run on the CPU, for testing only"
 
 
@@ -105,6 +105,11 @@ class CudaBackend(TorchTensors):
         from .moe import moe
 
         return moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate)
+
+    def lora(self, x, y, lora_a, lora_b, lora_indices, output_slices=None):
+        from .lora import lora
+
+        return lora(x, y, lora_a, lora_b, lora_indices, output_slices)
 
     def sample(self, logits, params):
         from ..torch_native.sampling import sample

@@ -8,6 +8,7 @@ from ...primitives.backend import FastPath, Support
 from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
 from . import collectives, fast_paths, fused, native, ops, quant_linear
 from .attention import LazyPlan, attention, kv_write, lazy_plan
+from .lora import lora
 from .moe import moe
 from ...primitives.torch_tensors import TorchTensors
 from .sampling import sample
@@ -80,6 +81,7 @@ class TorchBackend(TorchTensors):
     kv_write = staticmethod(kv_write)
     attention = staticmethod(attention)
     moe = staticmethod(moe)
+    lora = staticmethod(lora)
 
     def sample(self, logits, params):
         return sample(logits, params)
