@@ -25,18 +25,25 @@ SPECS = [
 ]
 
 
-def make_adapter(base, path, r, alpha, targets, rslora, seed):
-    """Save a random PEFT adapter to `path`; return the base model with it merged."""
+def make_adapter(base, path, r, alpha, targets, rslora, seed, bf16=False, **config):
+    """Save a random PEFT adapter to `path` (its weights as bfloat16 with `bf16`); return
+    the base model with it merged."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
-                                                            init_lora_weights=False, use_rslora=rslora))
+                                                            init_lora_weights=False, use_rslora=rslora, **config))
     with torch.no_grad():  # peft's random B is small; make every adapter move the tokens
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(4.0)
+            if "lora_" in name and bf16:
+                p.data = p.data.to(torch.bfloat16)
     model.save_pretrained(path)
+    if bf16:
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
     return model.merge_and_unload()
 
 
@@ -122,3 +129,54 @@ def test_lora_modules_parse_like_vllm():
         parse_lora_modules(["justaname"])
     with pytest.raises(ValueError, match="unique"):
         parse_lora_modules(["a=/x", "a=/y"])
+
+
+def test_bf16_adapters_and_peft_alpha_patterns(make_llm, tiny, tmp_path):
+    """A bfloat16-saved adapter reads exactly; alpha_pattern scales as PEFT does."""
+    bf16 = make_adapter(tiny.model, tmp_path / "bf16", 8, 16, ALL, False, seed=31, bf16=True)
+    pattern = make_adapter(tiny.model, tmp_path / "pattern", 4, 8, ALL, False, seed=32,
+                           alpha_pattern={"q_proj": 64, "model.layers.1.mlp.down_proj": 2})
+    llm = make_llm(enable_lora=True, max_loras=2, max_lora_rank=8)
+    got = generate(llm, PROMPTS[:2], lora_request=[LoRARequest("bf16", 1, str(tmp_path / "bf16")),
+                                                   LoRARequest("pattern", 2, str(tmp_path / "pattern"))])
+    assert got == [Tiny(bf16, "").greedy(PROMPTS[0], 12), Tiny(pattern, "").greedy(PROMPTS[1], 12)]
+
+
+def test_an_adapter_of_another_model_fails_its_request_and_the_engine_lives(make_llm, tiny, tmp_path):
+    import transformers
+
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1))
+    make_adapter(other, tmp_path / "other", 4, 8, ALL, False, seed=1)
+    llm = make_llm(enable_lora=True, max_loras=1, max_lora_rank=8)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, SamplingParams(max_tokens=3, ignore_eos=True),
+                        lora_request=[LoRARequest("other", 1, str(tmp_path / "other")), None], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "another base model" in outs[0].error
+    assert len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_a_name_loaded_again_is_another_adapter_and_running_requests_keep_theirs(make_llm, tiny, adapters):
+    """Unload 'x' (adapter all8) while a request runs on it, load 'x' again from attn4: the
+    running request finishes with all8, the new one runs attn4, and no prefix block is shared."""
+    llm = make_llm(enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=1)
+    engine, manager = llm.engine, llm.engine.lora
+    first = LoRARequest("x", 1, adapters["all8"][0].lora_path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[3]}, params, lora_request=first)
+    engine.step()
+    manager.unregister("x")
+    assert first in manager.host  # still in use: kept
+    with pytest.raises(LoRAError, match="unloaded"):
+        manager.register(first)
+    second = LoRARequest("x", manager.next_id(), adapters["attn4"][0].lora_path)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[3]}, params, lora_request=second)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["a"] == adapters["all8"][1].greedy(PROMPTS[3], 12)
+    assert done["b"] == adapters["attn4"][1].greedy(PROMPTS[3], 12)
+    assert first not in manager.host and not manager.users  # the unloaded one's memory went with its last request
+    assert engine.scheduler.block_manager.prefix_cache_stats.hits == 0

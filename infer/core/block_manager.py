@@ -43,11 +43,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def root_hash(cache_salt: str | None, lora_name: str | None = None) -> bytes:
-    """Parent hash of a request's first block: the salt and the LoRA adapter, so
-    neither different salts nor different adapters ever share blocks."""
-    if lora_name is not None:  # another prefix, and JSON: no salt can spell an adapter's root
-        return hashlib.sha256(b"infer-kv-root-lora:" + json.dumps([cache_salt or "", lora_name]).encode()).digest()
+def root_hash(cache_salt: str | None, lora_key: str | None = None) -> bytes:
+    """Parent hash of a request's first block: the salt and the LoRA adapter
+    (`LoRARequest.cache_key`), so neither different salts nor different adapters
+    ever share blocks."""
+    if lora_key is not None:  # another prefix, and JSON: no salt can spell an adapter's root
+        return hashlib.sha256(b"infer-kv-root-lora:" + json.dumps([cache_salt or "", lora_key]).encode()).digest()
     return hashlib.sha256(b"infer-kv-root:" + (cache_salt or "").encode()).digest()
 
 
@@ -170,7 +171,8 @@ class BlockManager:
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt, getattr(request, "lora_name", None))
+            lora = getattr(request, "lora_request", None)
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt, lora.cache_key if lora else None)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_full_blocks]
 

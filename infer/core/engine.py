@@ -303,6 +303,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched, cache)
         self.lora = None
+        self._lora_of: dict[str, LoRARequest] = {}  # request id -> its adapter, while it lives
         if a.enable_lora:
             self.lora = LoRAManager(self.runner, graph, a.max_loras, a.max_lora_rank, a.max_cpu_loras)
             for req in _lora_requests(a.lora_modules):
@@ -532,7 +533,7 @@ class LLMEngine:
             if self.lora is None:
                 raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r} but the "
                                  "engine runs without LoRA; start it with enable_lora=True (--enable-lora)")
-            self.lora.register(lora_request)
+            self.lora.register(lora_request)  # read and checked now: a bad adapter fails this request
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
@@ -554,8 +555,11 @@ class LLMEngine:
                              arrival_time=arrival_time or time.time())
         req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
                       eos_token_ids=self.eos_token_ids,
-                      lora_name=lora_request.lora_name if lora_request is not None else None)
+                      lora_request=lora_request)
         self._states[request_id] = state
+        if lora_request is not None:  # held in host memory until the request ends
+            self.lora.acquire(lora_request)
+            self._lora_of[request_id] = lora_request
         if grammar is not None and not grammar.done():
             self._awaiting_grammar.append((state, req, grammar))  # scheduled once it compiles
             return
@@ -691,6 +695,8 @@ class LLMEngine:
             results.append(self._output(state))
             if state.finished:
                 del self._states[rid]
+                if rid in self._lora_of:
+                    self.lora.release(self._lora_of.pop(rid))
                 for c in state.completions:
                     self._completions.pop(c.request.request_id, None)
                     if self.draft_budget is not None:
@@ -727,11 +733,11 @@ class LLMEngine:
     def _lora_indices(self, out: SchedulerOutput) -> np.ndarray | None:
         """[T] each scheduled token's LoRA slot (0: none), the step's adapters put in slots first;
         None when no request of the step has an adapter."""
-        names = {s.request.lora_name for s in out.scheduled if s.request.lora_name is not None}
-        if self.lora is None or not names:
+        loras = {s.request.lora_request for s in out.scheduled if s.request.lora_request is not None}
+        if self.lora is None or not loras:
             return None  # the step's lora calls pass their input through
-        slots = self.lora.activate(names)
-        per_request = np.array([slots.get(s.request.lora_name, 0) for s in out.scheduled], dtype=np.int64)
+        slots = self.lora.activate(loras)
+        per_request = np.array([slots.get(s.request.lora_request, 0) for s in out.scheduled], dtype=np.int64)
         return np.repeat(per_request, [s.num_tokens for s in out.scheduled])
 
     def _complete(self, launched: _Launched) -> tuple[StepOutput, StepResult]:

@@ -59,12 +59,9 @@ class LoRARequest:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be >= 1, got {self.lora_int_id}")
 
     @property
-    def name(self) -> str:
-        return self.lora_name
-
-    @property
-    def path(self) -> str:
-        return self.lora_path
+    def cache_key(self) -> str:
+        """Names the adapter in prefix-cache hashes: another path or id is another adapter."""
+        return json.dumps([self.lora_name, self.lora_int_id, self.lora_path])
 
 
 @dataclass
@@ -82,10 +79,18 @@ class Adapter:
 
 
 def load_adapter(path: str | Path, name: str, max_rank: int, num_layers: int | None = None) -> Adapter:
-    """Read and check a PEFT adapter directory (see the module doc)."""
-    from safetensors.numpy import load_file
+    """Read and check a PEFT adapter directory (see the module doc); LoRAError names what is wrong."""
+    try:
+        return _load_adapter(Path(path), name, max_rank, num_layers)
+    except LoRAError:
+        raise
+    except (OSError, ValueError) as exc:  # unreadable files, bad JSON, a corrupt or odd safetensors file
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {path}: {exc}") from None
 
-    root = Path(path)
+
+def _load_adapter(root: Path, name: str, max_rank: int, num_layers: int | None) -> Adapter:
+    from .loader.safetensors_file import read_header, read_tensor
+
     cfg_file, weights_file = root / "adapter_config.json", root / "adapter_model.safetensors"
     if not cfg_file.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} not found (a PEFT directory has adapter_config.json and "
@@ -103,7 +108,7 @@ def load_adapter(path: str | Path, name: str, max_rank: int, num_layers: int | N
         bin_file = root / "adapter_model.bin"
         hint = " (adapter_model.bin found: save it with safe_serialization=True)" if bin_file.is_file() else ""
         raise LoRAError(f"LoRA adapter {name!r}: {weights_file} not found{hint}")
-    tensors = load_file(str(weights_file))
+    tensors = {key: read_tensor(entry) for key, entry in read_header(weights_file).items()}  # BF16 read exactly
     alpha, rslora = float(cfg.get("lora_alpha", cfg.get("r", 8))), bool(cfg.get("use_rslora", False))
     alpha_pattern = cfg.get("alpha_pattern") or {}
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
@@ -132,8 +137,10 @@ def load_adapter(path: str | Path, name: str, max_rank: int, num_layers: int | N
         if r > max_rank:
             raise LoRAError(f"LoRA adapter {name!r}: rank {r} ({module}, layer {layer}) exceeds max_lora_rank="
                             f"{max_rank}; raise --max-lora-rank")
-        a_alpha = next((float(v) for pat, v in alpha_pattern.items() if re.search(pat, f"layers.{layer}.{module}")
-                        or pat == module), alpha)
+        # PEFT's rule: a pattern names the module's full name or a dotted suffix of it.
+        full = f"model.layers.{layer}.{'mlp' if TARGETS[module][0] == 'mlp' else 'self_attn'}.{module}"
+        a_alpha = next((float(v) for pat, v in alpha_pattern.items() if pat == full or re.match(rf".*\.{pat}$", full)),
+                       alpha)
         scale = a_alpha / (math.sqrt(r) if rslora else r)
         adapter.weights[(layer, module)] = (a, b * np.float32(scale))
         top = max(top, r)
@@ -185,7 +192,15 @@ def lora_stacks(g: Graph) -> dict[tuple[int, str], tuple[str, str, tuple[int, ..
 
 # -- adapters in host memory and device slots ------------------------------------------------
 class LoRAManager:
-    """Adapters known by name, their host copies (LRU) and the device slots (LRU)."""
+    """Adapters by name, their host copies and the device slots.
+
+    Everything is keyed by the `LoRARequest` itself (name, id and path), so an
+    adapter loaded again under an old name is a different adapter: requests still
+    running on the old one finish with it, and prefix-cache blocks never mix
+    (`LoRARequest.cache_key`). An adapter some live request uses stays in host
+    memory (`acquire`/`release`), so a step never reads a file; the others are
+    kept up to ``max_cpu_loras``, least recently used out first.
+    """
 
     def __init__(self, runner, graph: Graph, max_loras: int, max_rank: int, max_cpu_loras: int | None = None):
         if max_loras < 1:
@@ -196,75 +211,118 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.num_layers = graph.num_layers
         self.stacks = lora_stacks(graph)
-        self.known: dict[str, LoRARequest] = {}
-        # Unloaded while requests may still run with them: they finish with the adapter.
-        self.retired: dict[str, LoRARequest] = {}
-        self._lock = threading.RLock()  # the engine thread steps; a server thread loads and unloads
-        self.host: OrderedDict[str, Adapter] = OrderedDict()
-        self.slots: list[str | None] = [None] * max_loras  # slot i + 1 holds slots[i]
+        self.known: dict[str, LoRARequest] = {}  # by name: what new requests may use
+        self.users: dict[LoRARequest, int] = {}  # live requests per adapter
+        self.host: OrderedDict[LoRARequest, Adapter] = OrderedDict()
+        self.slots: list[LoRARequest | None] = [None] * max_loras  # slot i + 1 holds slots[i]
         self._slot_use: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
+        self._unloaded: set[LoRARequest] = set()  # never registered again (a new load has a new id)
+        self._lock = threading.RLock()  # the engine thread steps; a server thread loads and unloads
         self.loads = 0  # adapters written into a device slot
 
     # -- names -----------------------------------------------------------------
     def register(self, request: LoRARequest, adapter: Adapter | None = None) -> Adapter:
-        """Know an adapter by its name (the same name must keep its path and id); load it
-        now (or take `adapter`, read already) so a bad adapter fails its request, not a
-        later step."""
+        """Know an adapter by its name (one name, one adapter); read and check it now (or
+        take `adapter`, read already) so a bad one fails its request, not a later step."""
         with self._lock:
             old = self.known.get(request.lora_name)
-            if old is not None and (old.lora_path, old.lora_int_id) != (request.lora_path, request.lora_int_id):
+            if old is not None and old != request:
                 raise LoRAError(f"LoRA adapter {request.lora_name!r} is already loaded from {old.lora_path!r} "
                                 f"(id {old.lora_int_id}); unload it first or use another name")
             for other in self.known.values():
                 if other.lora_int_id == request.lora_int_id and other.lora_name != request.lora_name:
                     raise LoRAError(f"lora_int_id {request.lora_int_id} is taken by adapter {other.lora_name!r}")
-            if old is None and request.lora_name in self.retired:  # a new adapter under a retired name
-                del self.retired[request.lora_name]
-                self.host.pop(request.lora_name, None)
-                self._evict_slot(request.lora_name)
-            if adapter is not None:
-                self.host[request.lora_name] = adapter
-            adapter = self._host(request)
+            if request in self._unloaded:
+                raise LoRAError(f"LoRA adapter {request.lora_name!r} was unloaded")
+        if request not in self.host:  # read outside the lock: the engine thread steps meanwhile
+            adapter = adapter or load_adapter(request.lora_path, request.lora_name, self.max_rank, self.num_layers)
+            self.check(adapter)
+        with self._lock:
+            if request not in self.host:
+                self.host[request] = adapter
+            self.host.move_to_end(request)
             self.known[request.lora_name] = request
-            return adapter
+            self._trim_host(keep=request)
+            return self.host[request]
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: str) -> LoRARequest:
         """Forget an adapter for new requests; running ones finish with it."""
         with self._lock:
-            if name not in self.known:
-                raise KeyError(name)
-            self.retired[name] = self.known.pop(name)
+            request = self.known.pop(name)
+            self._unloaded.add(request)
+            if not self.users.get(request):
+                self._drop(request)
+            return request
 
-    def _evict_slot(self, name: str) -> None:
-        if name in self.slots:
-            self.slots[self.slots.index(name)] = None  # its rows stay until another adapter takes the slot
+    def next_id(self) -> int:
+        """An adapter id no adapter of this engine has had (loaded or still in use)."""
+        with self._lock:
+            return max((r.lora_int_id for r in (*self.known.values(), *self.users, *self._unloaded)), default=0) + 1
 
-    def _host(self, request: LoRARequest) -> Adapter:
-        adapter = self.host.get(request.lora_name)
-        if adapter is None:
-            adapter = load_adapter(request.lora_path, request.lora_name, self.max_rank, self.num_layers)
-            self.host[request.lora_name] = adapter
-            while len(self.host) > self.max_cpu_loras:
-                self.host.popitem(last=False)
-        self.host.move_to_end(request.lora_name)
-        return adapter
+    def acquire(self, request: LoRARequest) -> None:
+        """A request now runs with the adapter: it stays in host memory until `release`."""
+        with self._lock:
+            self.users[request] = self.users.get(request, 0) + 1
+
+    def release(self, request: LoRARequest) -> None:
+        with self._lock:
+            left = self.users[request] - 1
+            if left:
+                self.users[request] = left
+                return
+            del self.users[request]
+            if self.known.get(request.lora_name) != request:  # unloaded meanwhile: its last request ended
+                self._drop(request)
+            else:
+                self._trim_host()
+
+    def _drop(self, request: LoRARequest) -> None:
+        self.host.pop(request, None)
+        if request in self.slots:
+            self.slots[self.slots.index(request)] = None  # its rows stay until another adapter takes the slot
+
+    def _trim_host(self, keep: LoRARequest | None = None) -> None:
+        """Host copies beyond max_cpu_loras go, least recently used first, but not those in
+        use (nor `keep`, just registered for a request about to use it)."""
+        for request in list(self.host):
+            if len(self.host) <= self.max_cpu_loras:
+                break
+            if not self.users.get(request) and request != keep:
+                self.host.pop(request)
+
+    def check(self, adapter: Adapter) -> None:
+        """LoRAError unless every projection of the adapter fits the model's."""
+        graph = self.runner.program.graph
+        for (layer, module), (a, b) in adapter.weights.items():
+            _, fused, i = TARGETS[module]
+            stack = self.stacks.get((layer, fused))
+            if stack is None:
+                raise LoRAError(f"LoRA adapter {adapter.name!r}: the model has no {module} in layer {layer}")
+            a_name, _, slices = stack
+            k, n = graph.params[a_name].shape[2], slices[i]
+            if a.shape[1] != k or b.shape[0] != n:
+                raise LoRAError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
+                                f"{tuple(b.shape)}, this model needs [r, {k}] and [{n}, r]: an adapter of another "
+                                "base model")
 
     # -- steps --------------------------------------------------------------------
-    def activate(self, names: set[str]) -> dict[str, int]:
+    def activate(self, requests: set[LoRARequest]) -> dict[LoRARequest, int]:
         """Put every adapter of a step (at most max_loras) into a device slot; their slot ids."""
-        if len(names) > self.max_loras:
-            raise ValueError(f"a step uses {len(names)} LoRA adapters, max_loras is {self.max_loras}")
+        if len(requests) > self.max_loras:
+            raise ValueError(f"a step uses {len(requests)} LoRA adapters, max_loras is {self.max_loras}")
         with self._lock:
-            out = {}
-            for name in names:
-                if name in self.slots:
-                    out[name] = self.slots.index(name) + 1
-            for name in names - set(out):
-                free = next(i for i in self._slot_use if self.slots[i] not in names)
-                request = self.known.get(name) or self.retired[name]
-                self._write_slot(free + 1, self._host(request))
-                self.slots[free] = name
-                out[name] = free + 1
+            out = {r: self.slots.index(r) + 1 for r in requests if r in self.slots}
+            for request in requests - set(out):
+                free = next(i for i in self._slot_use if self.slots[i] not in requests)
+                adapter = self.host.get(request)
+                if adapter is None:  # not acquired (the engine acquires): read it now
+                    adapter = self.host[request] = load_adapter(request.lora_path, request.lora_name, self.max_rank,
+                                                                self.num_layers)
+                    self.check(adapter)
+                self.slots[free] = None  # while its rows are rewritten
+                self._write_slot(free + 1, adapter)
+                self.slots[free] = request
+                out[request] = free + 1
             for slot in out.values():
                 self._slot_use.move_to_end(slot - 1)
             return out
@@ -277,17 +335,12 @@ class LoRAManager:
             a = np.zeros((p * r, k), np.float32)
             b = np.zeros((sum(slices), r), np.float32)
             bounds = np.cumsum((0,) + tuple(slices))
-            for module, (kind, fused, i) in TARGETS.items():
+            for module, (_, fused, i) in TARGETS.items():
                 pair = adapter.weights.get((layer, module)) if fused == prefix else None
-                if pair is None:
-                    continue
-                pa, pb = pair
-                rank = pa.shape[0]
-                if pa.shape[1] != k or pb.shape[0] != bounds[i + 1] - bounds[i]:
-                    raise LoRAError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has A {pa.shape} and "
-                                    f"B {pb.shape}, the model needs [r, {k}] and [{bounds[i + 1] - bounds[i]}, r]")
-                a[i * r : i * r + rank] = pa
-                b[bounds[i] : bounds[i + 1], :rank] = pb
+                if pair is not None:
+                    pa, pb = pair
+                    a[i * r : i * r + pa.shape[0]] = pa
+                    b[bounds[i] : bounds[i + 1], : pa.shape[0]] = pb
             runner.assign_slot(a_name, slot, a)
             runner.assign_slot(b_name, slot, b)
         self.loads += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 from .sampling_params import SamplingParams
 
@@ -71,8 +71,8 @@ class Request:
     priority             lower is served first under the 'priority' policy.
     cache_salt           separates prefix-cache entries (e.g. per tenant): blocks
                          are shared only between requests with the same salt.
-    lora_name            the LoRA adapter the request runs with (None: the base
-                         model); part of its prefix-cache hashes too.
+    lora_request         the LoRA adapter (`core.lora.LoRARequest`) the request runs
+                         with (None: the base model); part of its prefix-cache hashes.
     output_token_ids     generated tokens so far.
     num_computed_tokens  leading tokens of `all_token_ids` whose KV is in the
                          cache; the rest are computed in coming steps.
@@ -87,7 +87,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
-    lora_name: str | None = None
+    lora_request: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -164,7 +164,7 @@ class Request:
             priority=self.priority,
             cache_salt=self.cache_salt,
             eos_token_ids=self.eos_token_ids,
-            lora_name=self.lora_name,
+            lora_request=self.lora_request,
             output_token_ids=self.output_token_ids,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,

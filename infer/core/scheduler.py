@@ -198,8 +198,8 @@ class Scheduler:
             tier_used_blocks=bm.tier.num_used if bm.tier is not None else 0,
             kv_cache_fragmentation_perc=self._fragmentation(),
             max_loras=self.config.max_loras,
-            running_loras=tuple(sorted({r.lora_name for r in self.running if r.lora_name is not None})),
-            waiting_loras=tuple(sorted({e[-1].lora_name for e in self.waiting if e[-1].lora_name is not None})),
+            running_loras=tuple(sorted({r.lora_request.lora_name for r in self.running if r.lora_request})),
+            waiting_loras=tuple(sorted({e[-1].lora_request.lora_name for e in self.waiting if e[-1].lora_request})),
         )
 
     def _fragmentation(self) -> float:
@@ -224,7 +224,7 @@ class Scheduler:
         preempted: list[str] = []
 
         blocked = False
-        loras: set[str] = set()  # adapters this step uses, at most cfg.max_loras
+        loras: set = set()  # LoRA adapters this step uses, at most cfg.max_loras
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or req.request_id in self._busy:
                 continue  # preempted as a victim earlier in this loop, or its last step is still in flight
@@ -251,8 +251,8 @@ class Scheduler:
                 break  # it preempted itself: the pool is exhausted
             num_new[req.request_id] = n
             budget -= n
-            if req.lora_name is not None:
-                loras.add(req.lora_name)
+            if req.lora_request is not None:
+                loras.add(req.lora_request)
 
         skipped = []  # waiting requests whose adapter finds no slot this step: back in the queue after
         while (self.waiting and not preempted and not blocked and budget > 0 and len(self.running) < cfg.max_num_seqs
@@ -282,8 +282,8 @@ class Scheduler:
             self.running.append(req)
             num_new[req.request_id] = n
             budget -= n
-            if req.lora_name is not None:
-                loras.add(req.lora_name)
+            if req.lora_request is not None:
+                loras.add(req.lora_request)
         for item in skipped:
             heapq.heappush(self.waiting, item)
 
@@ -427,10 +427,10 @@ class Scheduler:
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)
 
-    def _lora_full(self, req: Request, loras: set[str]) -> bool:
+    def _lora_full(self, req: Request, loras: set) -> bool:
         """Whether the step already uses max_loras adapters, none of them the request's."""
-        name = req.lora_name
-        return name is not None and 0 < self.config.max_loras <= len(loras) and name not in loras
+        lora = req.lora_request
+        return lora is not None and 0 < self.config.max_loras <= len(loras) and lora not in loras
 
     def _scheduled_request(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens

@@ -125,7 +125,8 @@ def expand_block_table(meta: AttentionMetadata) -> AttentionMetadata:
         return meta
     table = np.asarray(meta.block_table, dtype=np.int64)
     k = np.maximum(np.asarray(meta.block_sizes, dtype=np.int64) // meta.block_size, 1)[:, None]
-    col = np.arange(table.shape[1] * int(k.max(initial=1)))[None, :]
+    # As wide as the longest context's pages (not widest row x most pages): a captured step's table fits.
+    col = np.arange(max(1, -(-int(meta.max_seq_len) // meta.block_size)))[None, :]
     entry = np.minimum(col // k, max(table.shape[1] - 1, 0))  # past a row's entries: padding, ignored
     pages = np.take_along_axis(table, entry, axis=1) * k + col % k if table.size else table
     return dataclasses.replace(meta, block_table=pages.astype(np.int32), block_sizes=None)

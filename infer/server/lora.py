@@ -41,17 +41,18 @@ def install_lora_routes(app: FastAPI, models: ModelRegistry) -> None:
                 raise APIError(400, f"the LoRA adapter '{body.lora_name}' has already been loaded", "lora_name")
             engines = base.llm.engines
             manager = engines[0].lora
-            taken = {r.lora_int_id for m in engines for r in (*m.lora.known.values(), *m.lora.retired.values())}
-            request = LoRARequest(body.lora_name, max(taken, default=0) + 1, body.lora_path)
+            # An id no engine has seen: a reload under an old name is another adapter (own prefix-cache blocks).
+            request = LoRARequest(body.lora_name, max(e.lora.next_id() for e in engines), body.lora_path)
+            registered = []
             try:  # read and checked off the event loop; the engines only take the result
                 adapter = await asyncio.to_thread(load_adapter, body.lora_path, body.lora_name, manager.max_rank,
                                                   manager.num_layers)
                 for engine in engines:
                     engine.lora.register(request, adapter)
+                    registered.append(engine)
             except LoRAError as exc:
-                for engine in engines:
-                    if body.lora_name in engine.lora.known:
-                        engine.lora.unregister(body.lora_name)
+                for engine in registered:
+                    engine.lora.unregister(body.lora_name)
                 raise APIError(400, str(exc), "lora_path") from None
             models.add_adapter(base, request)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

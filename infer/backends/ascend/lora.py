@@ -10,23 +10,26 @@ step, not per call (`_plan`).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .availability import torch_npu
 
-_held: list = [None, None]  # (the step's lora_indices tensor, its plan)
+_steps = threading.local()  # per engine thread: (the step's lora_indices tensor, its plan)
 
 
 def _plan(lora_indices: torch.Tensor, slots: int):
     """(order of the adapter tokens, their group sizes for slots 1.., how many) for a step."""
-    if _held[0] is lora_indices:
-        return _held[1]
+    held = getattr(_steps, "held", None)
+    if held is not None and held[0] is lora_indices:
+        return held[1]
     idx = lora_indices.long()
     order = torch.argsort(idx, stable=True)
     counts = torch.bincount(idx, minlength=slots)
     skip = int(counts[0])  # the step's one host read
     plan = (order[skip:], counts[1:].to(torch.int64), idx.numel() - skip)
-    _held[0], _held[1] = lora_indices, plan
+    _steps.held = (lora_indices, plan)
     return plan
 
 
