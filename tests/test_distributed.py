@@ -702,7 +702,7 @@ class _Replica:
         self.failure = None
         self.dead = None
 
-    async def generate(self, request_id, prompt, params, priority=0):
+    async def generate(self, request_id, prompt, params, priority=0, lora_request=None):
         async def stream():
             for i in range(2):
                 yield (request_id, i)
