@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import torch  # noqa: F401  (first, as a user's script does)
+from fresh import pyplot, run_child, save_json
 
 REQUESTS, LONG_SHARE, POOL_SHARE = 128, 0.3, 0.6
 CONFIGS = ("16", "auto", "8")
@@ -99,13 +99,6 @@ def _child(config: str) -> dict:
                 run_fallbacks=bm.num_run_fallbacks - fallbacks0)
 
 
-def _run(config: str) -> dict:
-    res = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True, timeout=3600)
-    if res.returncode:
-        raise RuntimeError(f"{config} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 FIELDS = ("output_tokens_per_s", "total_tokens_per_s", "ttft_p50", "ttft_p99", "fragmentation_mean",
           "fragmentation_peak", "mean_running", "preemptions", "run_fallbacks", "seconds")
 
@@ -125,7 +118,7 @@ def main() -> int:
     rows: dict = {}
     for _ in range(args.pairs):
         for config in configs:
-            r = _run(config)
+            r = run_child(__file__, [config])
             rows.setdefault(config, []).append(r)
             print(f"  block size {config}: fragmentation {r['fragmentation_mean']:.1f}% (peak "
                   f"{r['fragmentation_peak']:.1f}%), {r['output_tokens_per_s']:.1f} out tok/s, TTFT p50 "
@@ -142,15 +135,9 @@ def main() -> int:
                        ttft_p50_ratio_auto_vs_16=a["ttft_p50"] / b["ttft_p50"],
                        ttft_p99_ratio_auto_vs_16=a["ttft_p99"] / b["ttft_p99"])
     print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(medians=med, summary=summary, runs=rows), f, indent=1)
+    save_json(args.json, medians=med, summary=summary, runs=rows)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
         for a, (title, field) in zip(ax, (("fragmentation, mean over steps (%)", "fragmentation_mean"),
                                           ("output tok/s", "output_tokens_per_s"), ("TTFT p50 (s)", "ttft_p50"))):

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch  # noqa: F401  (first, as a user's script does)
+from fresh import pyplot, run_child, save_json
 
 PROMPT, QUESTION, SYSTEMS, ROUNDS, NEW = 1024, 32, 4, 3, 16
 PRE_REQS, PRE_PROMPT, PRE_NEW = 16, 256, 192
@@ -97,23 +96,12 @@ def _child(workload: str, config: str) -> dict:
                 if out.finished:
                     tokens += len(out.outputs[0].token_ids)
         ttft += list(first.values())
-        if os.environ.get("KV_TIER_DEBUG"):
-            print(b, [round(v, 2) for v in first.values()], file=sys.stderr)
     seconds = time.perf_counter() - start
     return dict(workload=workload, config=config, seconds=seconds, tokens_per_s=tokens / seconds,
                 ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
                 prefix_hits=bm.prefix_cache_stats.hits - hits0, tier_hits=bm.prefix_cache_stats.tier_hits - tier0,
                 preemptions=sched.num_preemptions - pre0, swaps=sched.num_swapped_out - swap0,
                 pool_blocks=engine.cache_config.num_blocks, tier_blocks=engine.cache_config.num_tier_blocks)
-
-
-def _run(workload: str, config: str) -> dict:
-    env = dict(os.environ)
-    res = subprocess.run([sys.executable, __file__, "--child", workload, config], capture_output=True, text=True,
-                         env=env, timeout=1800)
-    if res.returncode:
-        raise RuntimeError(f"{workload}/{config} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -130,7 +118,7 @@ def main() -> int:
     for workload, configs in (("prefix", ("none", "tier")), ("preempt", ("recompute", "swap"))):
         for _ in range(args.pairs):
             for config in configs:
-                r = _run(workload, config)
+                r = run_child(__file__, [workload, config], timeout=1800)
                 rows.setdefault(f"{workload}/{config}", []).append(r)
                 print(f"  {workload}/{config}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms "
                       f"p99 {r['ttft_p99'] * 1e3:.0f} ms, hits {r['prefix_hits']} ({r['tier_hits']} from the tier), "
@@ -145,15 +133,9 @@ def main() -> int:
         swap_vs_recompute_throughput=med["preempt/swap"]["tokens_per_s"] / med["preempt/recompute"]["tokens_per_s"],
     )
     print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(medians=med, summary=summary, runs=rows), f, indent=1)
+    save_json(args.json, medians=med, summary=summary, runs=rows)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
         for a, (title, keys, field, scale) in zip(ax, (
                 ("prefix: TTFT p50 (ms)", ("prefix/none", "prefix/tier"), "ttft_p50", 1e3),

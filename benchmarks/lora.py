@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch  # noqa: F401  (first, as a user's script does)
+from fresh import pyplot, run_child, save_json
 
 BATCH, PROMPT, NEW, ADAPTERS, RANK = 32, 128, 128, 4, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -93,14 +93,6 @@ def _child(config: str, adapters: list[str]) -> dict:
                 slot_loads=engine.lora.loads if engine.lora else 0)
 
 
-def _run(config: str, adapters: list[str]) -> dict:
-    res = subprocess.run([sys.executable, __file__, "--child", config, *adapters], capture_output=True, text=True,
-                         timeout=3600)
-    if res.returncode:
-        raise RuntimeError(f"{config} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=2)
@@ -116,7 +108,7 @@ def main() -> int:
         rows: dict = {}
         for _ in range(args.pairs):
             for config in CONFIGS:
-                r = _run(config, adapters)
+                r = run_child(__file__, [config, *adapters])
                 rows.setdefault(config, []).append(r)
                 print(f"  {config}: {r['output_tokens_per_s']:.1f} output tok/s ({r['seconds']:.1f} s, {r['dtype']})",
                       flush=True)
@@ -124,15 +116,9 @@ def main() -> int:
     summary = dict(lora4_vs_base=med["lora-4"] / med["base"], lora_idle_vs_base=med["lora-idle"] / med["base"],
                    target=0.8, medians_output_tokens_per_s=med)
     print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(summary=summary, runs=rows), f, indent=1)
+    save_json(args.json, summary=summary, runs=rows)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.6))
         ax.bar(list(CONFIGS), [med[c] for c in CONFIGS], color=["#999", "#bbb", "#3a7"])
         ax.axhline(0.8 * med["base"], color="#c33", ls="--", lw=1, label="0.8x base (target)")

@@ -141,7 +141,8 @@ def _kv_capacity_table(args: argparse.Namespace, reg) -> Table:
     for col in ("backend", "block", "device pool", "host tier", "max context"):
         table.add_column(col, overflow="fold")
     quiet = logging.getLogger("infer")
-    level, quiet.level = quiet.level, logging.WARNING
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
     try:
         for name, info in sorted(reg.backends.items()):
             if not info.available:
@@ -165,7 +166,7 @@ def _kv_capacity_table(args: argparse.Namespace, reg) -> Table:
                           f"({cache.num_blocks * per_block / 2**20:,.0f} MiB)", host, f"{engine.max_model_len:,}")
             engine.shutdown()
     finally:
-        quiet.level = level
+        quiet.setLevel(level)
     return table
 
 

@@ -306,7 +306,7 @@ class LLMEngine:
         self._lora_of: dict[str, LoRARequest] = {}  # request id -> its adapter, while it lives
         if a.enable_lora:
             self.lora = LoRAManager(self.runner, graph, a.max_loras, a.max_lora_rank, a.max_cpu_loras)
-            for req in _lora_requests(a.lora_modules):
+            for req in parse_lora_modules(a.lora_modules):
                 self.lora.register(req)
         self._allocate_kv_caches(cache.num_blocks, cache.block_size, cache.num_tier_blocks, a.kv_offload_path)
         tokens = cache.num_blocks * cache.block_size
@@ -912,13 +912,6 @@ def _closed(text: str, parser) -> bool:
     """The text's last reasoning block is closed (its end marker follows its last start marker)."""
     end = text.rfind(parser.end_marker)
     return end != -1 and end > text.rfind(parser.start_marker)
-
-
-def _lora_requests(modules) -> list[LoRARequest]:
-    """`EngineArgs.lora_modules`: LoRARequests, or ``name=path`` strings (ids in order)."""
-    if all(isinstance(m, str) for m in modules):
-        return parse_lora_modules(list(modules))
-    return list(modules)
 
 
 def _check_args(a: EngineArgs) -> None:

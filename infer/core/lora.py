@@ -98,10 +98,9 @@ def _load_adapter(root: Path, name: str, max_rank: int, num_layers: int | None) 
     cfg = json.loads(cfg_file.read_text())
     if cfg.get("peft_type", "LORA").upper() != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for key, bad, what in (("use_dora", True, "DoRA adapters"), ("modules_to_save", None, "modules_to_save")):
-        value = cfg.get(key)
-        if (bad is True and value) or (bad is None and value):
-            raise LoRAError(f"LoRA adapter {name!r}: {what} ({key}={value!r}) are not supported")
+    for key, what in (("use_dora", "DoRA adapters"), ("modules_to_save", "modules_to_save")):
+        if cfg.get(key):
+            raise LoRAError(f"LoRA adapter {name!r}: {what} ({key}={cfg[key]!r}) are not supported")
     if cfg.get("bias", "none") != "none":
         raise LoRAError(f"LoRA adapter {name!r}: bias={cfg['bias']!r} is not supported (only 'none')")
     if not weights_file.is_file():
@@ -149,16 +148,16 @@ def _load_adapter(root: Path, name: str, max_rank: int, num_layers: int | None) 
 
 
 # -- the graph --------------------------------------------------------------------------
-def _projections(g: Graph, node) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """(role prefix, weight role, output slices, input size) of a node's LoRA targets."""
+def _projections(g: Graph, node) -> list[tuple[str, tuple[int, ...], int]]:
+    """(role prefix, output slices, input size) of a node's LoRA targets."""
     params = g.params
     if node.op == "attention":
         hq, hk, d = node.attrs["num_heads"], node.attrs["num_kv_heads"], node.attrs["head_dim"]
-        return [("qkv", "qkv_proj", (hq * d, hk * d, hk * d), params[node.params["qkv_proj"]].shape[1]),
-                ("o", "o_proj", (params[node.params["o_proj"]].shape[0],), params[node.params["o_proj"]].shape[1])]
+        return [("qkv", (hq * d, hk * d, hk * d), params[node.params["qkv_proj"]].shape[1]),
+                ("o", (params[node.params["o_proj"]].shape[0],), params[node.params["o_proj"]].shape[1])]
     inter = params[node.params["down_proj"]].shape[1]
-    return [("gate_up", "gate_up_proj", (inter, inter), params[node.params["gate_up_proj"]].shape[1]),
-            ("down", "down_proj", (params[node.params["down_proj"]].shape[0],), inter)]
+    return [("gate_up", (inter, inter), params[node.params["gate_up_proj"]].shape[1]),
+            ("down", (params[node.params["down_proj"]].shape[0],), inter)]
 
 
 def add_lora(g: Graph, max_loras: int, max_rank: int) -> None:
@@ -171,7 +170,7 @@ def add_lora(g: Graph, max_loras: int, max_rank: int) -> None:
             continue
         if node.op == "mlp" and not node.name.endswith(".mlp"):
             continue  # an MoE's shared expert: not a LoRA target
-        for prefix, _, slices, k in _projections(g, node):
+        for prefix, slices, k in _projections(g, node):
             slots, p = max_loras + 1, len(slices)
             a = g.param(f"{node.name}.{prefix}_lora_a", (slots, p * max_rank, k), (), zeros=True)
             b = g.param(f"{node.name}.{prefix}_lora_b", (slots, sum(slices), max_rank), (), zeros=True)
@@ -184,7 +183,7 @@ def lora_stacks(g: Graph) -> dict[tuple[int, str], tuple[str, str, tuple[int, ..
     out = {}
     for node in g.nodes:
         for prefix in ("qkv", "o", "gate_up", "down"):
-            if f"{prefix}_lora_a" in node.params and (node.op == "attention") == (prefix in ("qkv", "o")):
+            if f"{prefix}_lora_a" in node.params:
                 out[(node.layer, prefix)] = (node.params[f"{prefix}_lora_a"], node.params[f"{prefix}_lora_b"],
                                              node.attrs[f"{prefix}_lora_slices"])
     return out
@@ -346,10 +345,14 @@ class LoRAManager:
         self.loads += 1
 
 
-def parse_lora_modules(items: list[str] | None) -> list[LoRARequest]:
-    """``--lora-modules`` entries: ``name=path`` or vLLM's JSON ``{"name": ..., "path": ...}``."""
+def parse_lora_modules(items) -> list[LoRARequest]:
+    """``--lora-modules`` entries (`EngineArgs.lora_modules`): ``name=path``, vLLM's JSON
+    ``{"name": ..., "path": ...}`` (ids in order), or LoRARequests as they are."""
     out: list[LoRARequest] = []
     for item in items or ():
+        if isinstance(item, LoRARequest):
+            out.append(item)
+            continue
         if item.lstrip().startswith("{"):
             spec: Any = json.loads(item)
             name, path = spec.get("name"), spec.get("path")

@@ -198,9 +198,15 @@ class Scheduler:
             tier_used_blocks=bm.tier.num_used if bm.tier is not None else 0,
             kv_cache_fragmentation_perc=self._fragmentation(),
             max_loras=self.config.max_loras,
-            running_loras=tuple(sorted({r.lora_request.lora_name for r in self.running if r.lora_request})),
-            waiting_loras=tuple(sorted({e[-1].lora_request.lora_name for e in self.waiting if e[-1].lora_request})),
+            **self._lora_stats() if self.config.max_loras else {},
         )
+
+    def _lora_stats(self) -> dict:
+        """The adapters of running and of waiting requests (LoRA on only: it walks the queue)."""
+        def names(reqs) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in reqs if r.lora_request is not None}))
+
+        return dict(running_loras=names(self.running), waiting_loras=names(e[-1] for e in self.waiting))
 
     def _fragmentation(self) -> float:
         """Percent of the token slots in running requests' blocks that hold no token
