@@ -16,6 +16,13 @@ the ids themselves (servers that take token-id prompts only). Output tokens are
 the server's usage counts where it streams them, else the streamed chunks.
 Arrivals are Poisson at --request-rate (inf: all at once), at most
 --max-concurrency in flight.
+
+``--offline`` (with --launch) then runs the same prompts, one at a time, through
+the engine in a fresh process on its main thread (as `infer run` does, same
+flags) and prints single-stream decode and TTFT served vs offline side by side:
+what the server's own path (HTTP, the engine thread, streaming) costs.
+
+    python benchmarks/serving.py --launch "--model smollm2" --max-concurrency 1 --num-prompts 8 --offline
 """
 
 from __future__ import annotations
@@ -200,6 +207,55 @@ def launch(serve_args: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"infer serve exited with {proc.wait()} before listening")
 
 
+def offline(serve_args: str, prompts: list, output_len: int, eos: int | None) -> dict:
+    """The prompts one at a time through an engine built from `infer serve SERVE_ARGS`'s flags,
+    stepped on this (main) thread: each one's TTFT and TPOT, timed as the server's are."""
+    from infer.cli import build_parser
+    from infer.cli_model import engine_args
+    from infer.core.engine import LLMEngine
+    from infer.core.sampling_params import SamplingParams
+
+    ns = build_parser().parse_args(["serve", *shlex.split(serve_args)])
+    engine = LLMEngine(engine_args(ns, model=(ns.model or ["smollm2"])[0], show_progress=False))
+    bias = {eos: -100.0} if eos is not None else None
+
+    def one(rid: str, prompt, n: int) -> tuple[float, float | None]:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logit_bias=bias)
+        start = time.perf_counter()
+        engine.add_request(rid, prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}, params)
+        first = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.outputs[0].token_ids:
+                    first = time.perf_counter()
+                if out.finished:
+                    got = len(out.outputs[0].token_ids)
+                    end = time.perf_counter()
+        return first - start, (end - first) / (got - 1) if got > 1 else None
+
+    one("warm", prompts[0], 4)
+    timed = [one(str(i), p, output_len) for i, p in enumerate(prompts)]
+    return {"ttft": [t for t, _ in timed], "tpot": [t for _, t in timed if t is not None]}
+
+
+def compare_offline(served: list[RequestResult], off: dict) -> dict:
+    """Median TTFT and single-stream decode tok/s (1 / median TPOT), served beside offline."""
+    ok = [r for r in served if r.ok]
+    s_ttft, s_tpot = np.median([r.ttft for r in ok]), np.median([r.tpot for r in ok if r.tpot is not None])
+    o_ttft, o_tpot = np.median(off["ttft"]), np.median(off["tpot"])
+    return {"served_decode_tok_s": float(1 / s_tpot), "offline_decode_tok_s": float(1 / o_tpot),
+            "decode_served_over_offline": float(o_tpot / s_tpot),
+            "served_median_ttft_ms": float(s_ttft * 1000), "offline_median_ttft_ms": float(o_ttft * 1000)}
+
+
+def print_comparison(c: dict) -> None:
+    print("---- Served vs offline (same prompts, one at a time) ----")
+    print(f"{'':<36}{'served':>10}{'offline':>10}{'ratio':>8}")
+    print(f"{'Decode (tok/s, 1 / median TPOT):':<36}{c['served_decode_tok_s']:>10.1f}{c['offline_decode_tok_s']:>10.1f}"
+          f"{c['decode_served_over_offline']:>7.2f}x")
+    print(f"{'Median TTFT (ms):':<36}{c['served_median_ttft_ms']:>10.1f}{c['offline_median_ttft_ms']:>10.1f}")
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
@@ -217,14 +273,24 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # the offline half of --offline, in a fresh process
+        job = json.loads(argv[1])
+        print(json.dumps(offline(job["serve_args"], job["prompts"], job["output_len"], job["eos"])))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
     where.add_argument("--launch", metavar="SERVE_ARGS", help="start `infer serve SERVE_ARGS` for the run")
     p.add_argument("--model", default=None, help="served model name (default: the server's first)")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--offline", action="store_true",
+                   help="with --launch: also run the prompts one at a time offline (same flags, fresh process) and "
+                        "print single-stream decode and TTFT served vs offline")
     add_workload_args(p)
     args = p.parse_args(argv)
+    if args.offline and not args.launch:
+        p.error("--offline needs --launch (the offline engine takes the server's flags)")
     proc, base_url = launch(args.launch) if args.launch else (None, args.base_url)
     try:
         results, duration = asyncio.run(run(args, base_url))
@@ -234,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
     summary = summarize(results, duration)
     print_report(summary)
+    if args.offline:
+        from fresh import run_child
+
+        prompts, eos = make_prompts(args)
+        job = {"serve_args": args.launch, "prompts": prompts, "output_len": args.output_len, "eos": eos}
+        summary["offline"] = compare_offline(results, run_child(__file__, [json.dumps(job)]))
+        print_comparison(summary["offline"])
     for r in results:
         if not r.ok:
             print(f"failed: {r.error}", file=sys.stderr)

@@ -644,7 +644,12 @@ try:
     llm.generate([{{"prompt_token_ids": [1, 2, 3, 4]}}], p, use_tqdm=False)
 except RuntimeError as exc:
     print("FAILED", round(time.monotonic() - start, 1), exc, flush=True)
-    worker.kill()
+    # Torn down at the failure, not at interpreter exit: the hung rank is stopped, the group left.
+    print("TORN DOWN", worker.poll() is not None, torch.distributed.is_initialized(), flush=True)
+    try:
+        llm.generate([{{"prompt_token_ids": [1, 2]}}], p, use_tqdm=False)
+    except RuntimeError as again:
+        print("AGAIN", again, flush=True)
     sys.exit(3)
 print("NO ERROR")
 """
@@ -653,6 +658,9 @@ print("NO ERROR")
     assert proc.returncode == 3, proc.stdout + proc.stderr[-2000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("FAILED"))
     assert 4 <= float(line.split()[1]) < 30
+    assert "TORN DOWN True False" in proc.stdout, proc.stdout
+    again = next(x for x in proc.stdout.splitlines() if x.startswith("AGAIN"))
+    assert "a collective with the other ranks failed" in again  # the same reason, at once
 
 
 def test_gguf_shards_read_only_their_blocks_and_match_the_whole_tensor():

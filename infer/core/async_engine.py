@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from ..openmp import release_pool
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -174,6 +175,8 @@ class AsyncLLM:
         engine = self.engine
         while True:
             with self._cv:
+                if not (self._adds or self._aborts or self._stop or engine.has_unfinished_requests()):
+                    release_pool()  # idle: no OpenMP pool of this thread's competes with another's (infer/openmp.py)
                 while not (self._adds or self._aborts or self._stop or engine.has_unfinished_requests()):
                     self._cv.wait()
                 adds, self._adds = self._adds, []

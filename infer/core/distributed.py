@@ -22,6 +22,7 @@ that hangs or dies makes the others fail instead of waiting forever.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -114,6 +115,7 @@ class DistributedState:
     stage_control: Any = None  # gloo, this pipeline stage's ranks: where the stage's first rank hands out messages
     workers: list[subprocess.Popen] = field(default_factory=list)  # mp, rank 0 of a node: the ranks it started
     failed: str | None = None  # set by the monitor when a worker dies
+    aborted: str | None = None  # why the group was left after a failed collective (`lost`)
     _closed: bool = False
     _sends: list = field(default_factory=list)  # (work, buffers) of point-to-point sends not yet known complete
 
@@ -261,8 +263,32 @@ class DistributedState:
             else:
                 time.sleep(0.05)
         if self.failed:
-            return RuntimeError(f"distributed worker {self.failed}; the engine cannot continue")
-        return RuntimeError(f"rank {self.rank}: a collective with the other ranks failed ({exc})")
+            self.aborted = f"distributed worker {self.failed}; the engine cannot continue"
+        else:
+            self.aborted = f"rank {self.rank}: a collective with the other ranks failed ({exc})"
+        self.abort()
+        return RuntimeError(self.aborted)
+
+    def abort(self) -> None:
+        """After a failed collective the group is unusable: stop this node's worker ranks and
+        leave the process group now, on this thread. Left to `__del__` at interpreter exit, the
+        teardown (a stop message to a dead group, then the group's destruction) ran while
+        Python finalized objects in collection order, and one full-suite run died there of
+        SIGABRT in torch's tensor clean-up instead of exiting with its own code."""
+        if self._closed:
+            return
+        self._closed = True
+        import torch.distributed as dist
+
+        for p in self.workers:
+            with contextlib.suppress(Exception):
+                p.kill()
+                if isinstance(p, subprocess.Popen):
+                    p.wait(30)
+        self._sends = []
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
     def check_agreement(self, fingerprint: dict) -> None:
         """Every rank must run the same model with the same flags: fail naming the ranks that differ."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..dispatch import DispatchTrace, Ops
 from ..registry import get_backend, get_reasoning_parser, get_spec_proposer, registry
+from ..openmp import release_pool
 from ..primitives.types import AttentionMetadata, expand_block_table
 from . import distributed
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
@@ -271,6 +272,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        release_pool()  # the loading thread's OpenMP workers: whichever thread steps the engine owns the only pool
 
     def _init_model(self, a: EngineArgs) -> None:
         self.dispatch_trace = DispatchTrace() if a.trace_dispatch else None
@@ -357,8 +359,8 @@ class LLMEngine:
         d = self.dist
         if d is None or not d.is_driver:
             return
-        if d.failed:
-            raise RuntimeError(f"distributed worker {d.failed}; the engine cannot continue")
+        if d.aborted or d.failed:
+            raise RuntimeError(d.aborted or f"distributed worker {d.failed}; the engine cannot continue")
         try:
             d.broadcast(message)
         except Exception as exc:
@@ -404,7 +406,7 @@ class LLMEngine:
         if d is None:
             return
         for launched in getattr(self, "_in_flight", ()):  # take what the last stage still sends
-            if d.failed is None and launched.logits_shape is not None:
+            if d.failed is None and d.aborted is None and launched.logits_shape is not None:
                 try:
                     d.recv_logits(self.backend, launched.logits_shape)
                 except Exception:  # noqa: BLE001 (a dead stage: nothing will come)

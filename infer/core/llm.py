@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from ..openmp import release_pool
 from .engine import EngineArgs, LLMEngine
 from .lora import LoRARequest
 from .outputs import CompletionOutput, RequestOutput
@@ -61,12 +62,15 @@ class LLM:
                 results[rid] = _failed(rid, prompt, str(exc))
         live = len(prompts) - len(results)
         bar = tqdm(total=live, desc="Processed prompts", file=sys.stderr, disable=not use_tqdm or live == 0, leave=False)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            release_pool()  # the next call may come from another thread (infer/openmp.py)
         return [results[rid] for rid in order]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

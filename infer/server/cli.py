@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 
 from ..cli_model import add_engine_args, engine_args
-from .guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+
+# Server-only dependencies (fastapi, uvicorn, prometheus_client) are imported by cmd_serve, never
+# here: `infer run`, `infer backends` and the rest work on the base install (no `serve` extra).
+# The connection guard's defaults (guard.py):
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+DEFAULT_MAX_CONNECTIONS = 4096
 
 
 def add_serve(sub) -> None:
@@ -132,6 +138,7 @@ def build(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
+        import fastapi  # noqa: F401
         import prometheus_client
         import uvicorn
     except ImportError as exc:

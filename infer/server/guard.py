@@ -29,9 +29,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("infer.server")
 
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_IDLE_TIMEOUT_S = 60.0
-DEFAULT_MAX_CONNECTIONS = 4096
 # File handles kept free for the engine, the model's files and logging.
 RESERVED_FILES = 256
 

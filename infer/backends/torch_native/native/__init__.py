@@ -32,6 +32,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ....openmp import runtime_path
+
 SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: products are rounded before they are summed, as in torch's unfused ops.
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11", "-pthread")
@@ -65,22 +67,10 @@ def cache_dir() -> Path:
 
 def openmp_runtime() -> str | None:
     """The OpenMP runtime library torch loaded into this process (libgomp, libomp or
-    libiomp), found in the process's memory map; None if there is none or
-    ``INFER_NATIVE_OPENMP=0``."""
-    import torch  # noqa: F401  (loads the runtime)
-
+    libiomp); None if there is none or ``INFER_NATIVE_OPENMP=0``."""
     if os.environ.get("INFER_NATIVE_OPENMP", "1") == "0":
         return None
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        path = fields[5] if len(fields) == 6 else ""
-        if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")) and ".so" in path:
-            return path
-    return None
+    return runtime_path()
 
 
 def _compiler() -> list[str]:
