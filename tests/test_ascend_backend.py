@@ -193,20 +193,20 @@ def test_infer_backends_lists_ascend_unavailable_with_the_reason(capsys, monkeyp
 
 # -- the engine on the emulated NPU ---------------------------------------------
 def test_engine_pages_by_128_and_generates_what_cpu_ref_generates(tmp_path, monkeypatch, leak_check):
-    import infer.core.engine as engine_mod
+    import infer.core.executor.rank as rank_mod
     from infer.core.llm import LLM
     from infer.core.sampling_params import SamplingParams
 
     model, _, _ = make_model("llama3")
     model.save_pretrained(tmp_path)  # before the emulation: transformers probes for torch_npu
-    real_get_backend = engine_mod.get_backend
+    real_get_backend = rank_mod.get_backend
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (150, 5, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = {}
     for name in ("ascend", "cpu_ref"):
         with installed():
             # The registry was built without the emulation (ascend unavailable there): hand the engine an instance.
-            monkeypatch.setattr(engine_mod, "get_backend",
+            monkeypatch.setattr(rank_mod, "get_backend",
                                 lambda n, device=None: AscendBackend() if n == "ascend" else real_get_backend(n, device))
             llm = LLM(str(tmp_path), backend=name, dtype="float16", skip_tokenizer_init=True, max_num_seqs=4,
                       max_num_batched_tokens=64, num_gpu_blocks_override=12, block_size=None if name == "ascend" else 128)

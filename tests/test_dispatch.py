@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import infer.core.engine as engine_mod
+import infer.core.executor.rank as rank_mod
 import infer.registry as registry_mod
 from infer.backends.torch_native import TorchBackend
 from infer.backends.torch_native.native.ops import INT4_GEMM_MAX_ROWS
@@ -202,7 +202,7 @@ def test_a_contract_v1_backend_still_serves_the_engine(tiny_llama, monkeypatch, 
     reg = build_registry(entry_points=False)
     reg.backends[cls.name] = BackendInfo(cls.name, cls, "test", Support(True))
     monkeypatch.setattr(registry_mod, "registry", lambda: reg)
-    monkeypatch.setattr(engine_mod, "registry", lambda: reg)
+    monkeypatch.setattr(rank_mod, "registry", lambda: reg)
     llm = LLM(path, backend=cls.name, skip_tokenizer_init=True, trace_dispatch=True)
     leak_check.append(llm.engine)
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want

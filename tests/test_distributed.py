@@ -139,7 +139,8 @@ def test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop(monkeypatc
     returns cleanly, an unknown message is an error; the group is left either way."""
     from types import SimpleNamespace
 
-    from infer.core import distributed, engine, worker
+    from infer.core import distributed, worker
+    from infer.core.executor import rank
 
     class Dist:
         def __init__(self, messages):
@@ -158,7 +159,7 @@ def test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop(monkeypatc
     runner = SimpleNamespace(allocate_kv_caches=lambda n, b: calls.append(("kv", n, b)),
                              allocate_kv_tier=lambda n, path: calls.append(("tier", n, path)),
                              release_kv_caches=lambda: calls.append(("release",)))
-    monkeypatch.setattr(engine, "build_model", lambda *a, **k: SimpleNamespace(runner=runner))
+    monkeypatch.setattr(rank, "build_model", lambda *a, **k: SimpleNamespace(runner=runner))
     spec = {"engine_args": {"backend": "cpu_ref"}, "parallel": {}, "local_rank": 0, "rank": 1}
     dist = Dist([("kv", 4, 16, 0, None), ("kv", 4, 16, 8, "/x/tier"), ("release",), ("stop",), ("kv", 1, 1, 0, None)])
     dist.config, dist.rank = SimpleNamespace(world_size=2), 1
@@ -691,7 +692,8 @@ def test_gguf_shards_read_only_their_blocks_and_match_the_whole_tensor():
 
 
 def test_each_rank_of_each_replica_gets_its_own_accelerator():
-    from infer.core.engine import EngineArgs, device_index
+    from infer.core.args import EngineArgs
+    from infer.core.executor.rank import device_index
 
     # 2 replicas of TP2 x PP2 on one node: replica 1's ranks take devices 4-7
     a = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_rank=1)

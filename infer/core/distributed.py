@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -371,13 +371,16 @@ def timeout_s() -> float:
     return float(os.environ.get("INFER_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
-def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank: int | None = None) -> DistributedState:
-    """Join (and for the mp driver, first start) the job; returns this process's state.
+def start(config: ParallelConfig, dist_backend: str, *, rank: int | None = None,
+          spawn: Callable[[ParallelConfig, list[int]], list] | None = None) -> DistributedState:
+    """Join (and for a node's first process, first start) the job; returns this process's state.
 
-    mp: called with ``rank=None`` on a node's first process, which is global
-    rank ``node_rank * ranks_per_node``; it starts the node's other ranks as
-    workers. A worker calls it with its rank. external_launcher: the rank comes
-    from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+    mp and ray: called with ``rank=None`` on a node's first process, which is
+    global rank ``node_rank * ranks_per_node``; ``spawn(config, ranks)`` starts
+    the node's other ranks (`executor.launch` hands in the executor's way) and
+    returns handles with poll/wait/kill. A worker calls it with its rank.
+    external_launcher: the rank comes from torchrun's environment (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
     """
     import torch.distributed as dist
 
@@ -396,10 +399,6 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
         state = DistributedState(config, rank, int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group(dist_backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     elif executor in ("mp", "ray"):
-        if executor == "ray" and rank is None:  # Ray places every rank: one "node" from here, met at this address
-            from . import ray_executor
-
-            config = dataclasses.replace(config, master_addr=ray_executor.node_ip(), nnodes=1, node_rank=0)
         port = config.master_port or free_port()
         config = dataclasses.replace(config, master_port=port)
         first = config.node_rank * config.ranks_per_node
@@ -412,10 +411,9 @@ def start(config: ParallelConfig, dist_backend: str, engine_args: dict, *, rank:
 
                 torch.set_num_threads(_threads_per_rank(config))
             others = list(range(first + 1, first + config.ranks_per_node))
-            if executor == "mp":
-                state.workers = [_spawn_worker(config, r, r - first, engine_args) for r in others]
-            else:
-                state.workers = ray_executor.spawn(config, others, engine_args, use_gpus=dist_backend != "gloo")
+            if others and spawn is None:
+                raise ValueError(f"the first process of a {executor} job starts the other ranks: give spawn")
+            state.workers = spawn(config, others) if others else []
         else:
             state = DistributedState(config, rank, 0 if executor == "ray" else rank - first)
         try:

@@ -15,19 +15,18 @@ from typing import Any
 import numpy as np
 
 from ..dispatch import DispatchTrace, Ops
-from ..registry import get_backend, get_reasoning_parser, get_spec_proposer, registry
+from ..registry import get_reasoning_parser, get_spec_proposer
 from ..openmp import release_pool
 from ..primitives.types import AttentionMetadata, expand_block_table
 from . import distributed
+from .args import MAX_DEFAULT_KV_BYTES, PER_RANK_ARGS, EngineArgs
 from .config import POLICIES, CacheConfig, SchedulerConfig, graph_batch_sizes
-from .distributed import DistributedState, ParallelConfig, StepInput
-from .loader import load_model
+from .distributed import DistributedState, StepInput
+from .executor import launch
+from .executor.rank import build_model, execute_step, move_blocks, rank_backend, rank_path
 from .expert_load import ExpertLoad
-from .lora import LoRAManager, LoRARequest, add_lora, parse_lora_modules
-from .lowering import TP_GROUP, lower
-from .parallel import max_kv_heads, shard_graph
-from .memory import trim_heap
-from .model_runner import CARRIED, ModelRunner
+from .lora import LoRAManager, LoRARequest, parse_lora_modules
+from .parallel import max_kv_heads
 from .quant_params import QUANTIZATIONS
 from .outputs import RequestOutput
 from .request import Request, RequestStatus, SeqId
@@ -40,189 +39,6 @@ from .detokenizer import IncrementalDetokenizer
 from .speculative import DraftBudget, SpecDecodeStats, SpeculativeConfig
 from .structured import StructuredOutputs
 
-# Without an explicit size the KV pool holds max_num_seqs full contexts, capped
-# at 1 GiB, so small runs do not reserve gigabytes (--kv-cache-memory raises it).
-MAX_DEFAULT_KV_BYTES = 1 << 30
-
-
-@dataclass
-class EngineArgs:
-    """Engine settings with vLLM's names."""
-
-    model: str = "smollm2"
-    backend: str = "auto"
-    dtype: str = "auto"
-    device: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    # Tokens per KV block; None: the backend's preferred size; "auto": blocks of
-    # 1, 2 or 4 pages of the backend's `auto_block_sizes[0]` per request, by its
-    # expected length (see block_manager).
-    block_size: int | str | None = None
-    kv_cache_memory: int | None = None  # bytes, all layers
-    gpu_memory_utilization: float = 0.9  # on accelerators, when kv_cache_memory is not given
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    # Grammar library for structured outputs: xgrammar, guidance (llguidance), or
-    # auto (xgrammar, llguidance for what xgrammar cannot compile).
-    structured_outputs_backend: str = "auto"
-    # A reasoning parser's name (deepseek_r1, qwen3, a plugin's): structured outputs
-    # then constrain only the answer after the reasoning's end marker.
-    reasoning_parser: str | None = None
-    # Speculative decoding, vLLM's dict (or its JSON): {"method": "ngram",
-    # "num_speculative_tokens": k, "prompt_lookup_max": b, "prompt_lookup_min": a}.
-    speculative_config: Any = None
-    seed: int = 0
-    skip_tokenizer_init: bool = False
-    show_progress: bool | None = None
-    # 'auto': weights stored quantized (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8) stay
-    # quantized when `dtype` is 16-bit and are dequantized for float32; 'none':
-    # always dequantize them to `dtype` at load; 'fp8': keep them, and quantize a
-    # float model's projections to fp8 e4m3 at load (vLLM's online fp8).
-    quantization: str = "auto"
-    # 'auto' (the model dtype) or 'fp8' (e4m3, per-layer scales: twice the tokens per byte).
-    kv_cache_dtype: str = "auto"
-    # Run every step eagerly: no decode graphs (CUDA graphs on the cuda backend).
-    enforce_eager: bool = False
-    # Decode batch sizes to capture; None: 1, 2, 4, every multiple of 8, up to max_num_seqs.
-    cuda_graph_sizes: tuple[int, ...] | None = None
-    # A second KV tier under the device pool (core/kv_tier.py), in bytes over all layers (0: none):
-    # evicted prefix-cache blocks and swapped-out requests. Host memory; on the CPU backend a
-    # memory-mapped file, at kv_offload_path when given (an unlinked file in /dev/shm otherwise).
-    kv_offload_bytes: int = 0
-    kv_offload_path: str | None = None
-    # How a request gives up its blocks when the pool runs out: auto | recompute | swap.
-    preemption_mode: str = "auto"
-    # Multi-LoRA (core/lora.py): PEFT adapters chosen per request; at most max_loras of
-    # them in one step (device slots), rank up to max_lora_rank, max_cpu_loras kept in
-    # host memory (None: max_loras). lora_modules: adapters known from the start.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    lora_modules: tuple = ()
-    # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
-    trace_dispatch: bool = False
-    # Distributed serving (core/distributed.py, docs/distributed.md).
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # mp | external_launcher | ray; None: mp when needed
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    # Which data-parallel replica this engine is (`infer serve` sets it; its ranks use the
-    # devices after the earlier replicas', and with --master-port, the port + this index).
-    data_parallel_rank: int = 0
-
-    def parallel_config(self) -> ParallelConfig:
-        port = self.master_port + self.data_parallel_rank if self.master_port else self.master_port
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
-                              self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr, port)
-
-
-# What must be equal on every rank of a job (the rest is per rank or per node).
-_PER_RANK_ARGS = ("device", "show_progress", "node_rank", "skip_tokenizer_init", "trace_dispatch", "master_port",
-                  "data_parallel_rank", "kv_offload_path")
-
-
-@dataclass
-class ModelParts:
-    """One rank's model: what `build_model` makes for the engine and for a worker rank."""
-
-    loaded: Any  # LoadedModel, without weights
-    graph: Any
-    program: Any
-    runner: ModelRunner
-    dtype: str
-    max_model_len: int
-
-
-def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None, load_tokenizer: bool) -> ModelParts:
-    """Load the checkpoint's config, build and (on a tensor-parallel rank) shard the
-    graph, lower it for `backend`, and load this rank's weights into a runner."""
-    reg = registry()
-    m = load_model(a.model, load_weights=False, load_tokenizer=load_tokenizer, supported_architectures=reg.models)
-    name = str(m.dtype) if a.dtype == "auto" else a.dtype
-    if name not in backend.dtypes:
-        raise ValueError(f"dtype {name} is not supported by backend '{backend.name}' "
-                         f"(supported: {', '.join(backend.dtypes)})")
-    graph = reg.models[m.architecture](m.config)
-    if dist is not None:
-        if dist.config.pipeline_parallel_size > 1:
-            graph = graph.stage(*dist.stage_layers(graph.num_layers))
-        graph = shard_graph(graph, dist.tp_rank, dist.config.tensor_parallel_size)
-    if a.enable_lora:
-        add_lora(graph, a.max_loras, a.max_lora_rank)
-    program = lower(graph, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs)))
-    model_len = graph.config.max_position_embeddings
-    if a.max_model_len is not None and a.max_model_len > model_len:
-        raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
-    max_model_len = a.max_model_len or model_len
-    # 'auto' keeps stored quantized weights where the backend's quantized kernels
-    # pay (always for 16-bit activations; for float32 only where they are exact).
-    keep = a.quantization == "fp8" or (a.quantization == "auto" and backend.keeps_quantized(name))
-    weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
-    runner = ModelRunner(program, backend, ops, weights, name, max_model_len, quantization=a.quantization,
-                         kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None)
-    weights.close()
-    del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
-    trim_heap()
-    return ModelParts(m, graph, program, runner, name, max_model_len)
-
-
-def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | None = None):
-    """One step's forward on this rank from host inputs (a worker's, or the driver's).
-
-    A pipeline stage after the first receives the previous stage's residual
-    stream, one before the last sends its own on; the last stage's logits go
-    to the rank(s) that sample (`DistributedState.share_logits`)."""
-    be = runner.backend
-    move_blocks(runner, step.tier_ops, step.block_copies)
-    staged = dist is not None and dist.config.pipeline_parallel_size > 1
-    carry = None
-    if staged and not dist.is_first_stage:
-        shape = (len(step.input_ids), runner.config.hidden_size)
-        carry = dist.recv_carry(be, CARRIED, shape, runner.dtype)
-    lora = None if step.lora_indices is None else be.asarray(step.lora_indices)
-    out = runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
-                         runner.prepare_metadata(step.meta), carry, lora)
-    if not staged:
-        return out
-    if not dist.is_last_stage:
-        dist.send_carry(out.carry)
-    logits = dist.share_logits(be, out.logits, (len(step.sample_rows), runner.config.vocab_size))
-    return dataclasses.replace(out, logits=logits, carry=None)
-
-
-def move_blocks(runner: ModelRunner, tier_ops, copies) -> None:
-    """A step's block moves before its forward: the copies to and from the host tier,
-    then the copy-on-write block copies."""
-    if tier_ops:
-        runner.kv_tier.apply(runner.backend, runner.kv_caches, tier_ops)
-    copy_blocks(runner, copies)
-
-
-def rank_path(path: str | None, dist: DistributedState | None) -> str | None:
-    """This rank's file of the host tier: ranks hold different KV shards."""
-    if path is None or dist is None or dist.config.world_size == 1:
-        return path
-    return f"{path}.rank{dist.rank}"
-
-
-def copy_blocks(runner: ModelRunner, copies) -> None:
-    """The scheduler's copy-on-write block copies, (src, dst) pairs, in every layer's cache."""
-    if copies:
-        src, dst = (np.array(x, dtype=np.int64) for x in zip(*copies))
-        for cache in runner.kv_caches:
-            runner.backend.copy_blocks(cache, src, dst)
-
-
 @dataclass(slots=True)
 class _Launched:
     """A step whose forward has been started: rank 0 of a pipeline has run its stage
@@ -232,22 +48,6 @@ class _Launched:
     mi: Any
     forward: Any
     logits_shape: tuple[int, int] | None = None
-
-
-def device_index(a: EngineArgs, local_rank: int) -> int:
-    """Which of this node's accelerators a rank uses: the replica's ranks on this node
-    come after the earlier data-parallel replicas' (one device per rank)."""
-    per_node = a.tensor_parallel_size * a.pipeline_parallel_size // max(a.nnodes, 1)
-    return a.data_parallel_rank * per_node + local_rank
-
-
-def rank_backend(a: EngineArgs, local_rank: int):
-    """The backend on this rank's device: ``<type>:<device_index>`` on an accelerator without --device."""
-    backend = get_backend(a.backend, device=a.device)
-    dev, index = str(backend.device), device_index(a, local_rank)
-    if a.device is None and index and dev in ("cuda", "npu"):
-        backend = get_backend(a.backend, device=f"{dev}:{index}")
-    return backend
 
 
 class LLMEngine:
@@ -261,9 +61,9 @@ class LLMEngine:
         self.backend = rank_backend(a, local_rank)
         if self.parallel.executor is not None:
             fields = dataclasses.asdict(a)
-            self.dist = distributed.start(self.parallel, self.backend.dist_backend, fields)
+            self.dist = launch.start(self.parallel, self.backend.dist_backend, fields)
             try:
-                self.dist.check_agreement({k: v for k, v in fields.items() if k not in _PER_RANK_ARGS})
+                self.dist.check_agreement({k: v for k, v in fields.items() if k not in PER_RANK_ARGS})
             except BaseException:
                 self.shutdown()
                 raise

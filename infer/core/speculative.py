@@ -307,7 +307,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, engine):
         super().__init__(config, engine)
         from .block_manager import BlockManager
-        from .engine import build_model
+        from .executor.rank import build_model
 
         if not config.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's path or alias)")
@@ -367,7 +367,7 @@ class DraftModelProposer(Proposer):
         import numpy as np
 
         from .distributed import StepInput
-        from .engine import execute_step
+        from .executor.rank import execute_step
         from .scheduler_output import ScheduledRequest, SchedulerOutput
 
         scheduled = [ScheduledRequest(shim.request_id, shim.num_computed_tokens, len(new), list(new),

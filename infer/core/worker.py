@@ -21,16 +21,17 @@ def run(spec: dict) -> None:
     from ..dispatch import Ops
     from . import distributed
     from .distributed import ParallelConfig
-    from .engine import _PER_RANK_ARGS, EngineArgs, build_model, execute_step, rank_backend, rank_path
+    from .args import PER_RANK_ARGS, EngineArgs
+    from .executor.rank import build_model, execute_step, rank_backend, rank_path
 
     args = EngineArgs(**spec["engine_args"])
     args = dataclasses.replace(args, show_progress=False)
     config = ParallelConfig(**spec["parallel"])
     backend = rank_backend(args, spec["local_rank"])
-    dist = distributed.start(config, backend.dist_backend, spec["engine_args"], rank=spec["rank"])
+    dist = distributed.start(config, backend.dist_backend, rank=spec["rank"])
     try:
         fields = dataclasses.asdict(args)
-        dist.check_agreement({k: v for k, v in fields.items() if k not in _PER_RANK_ARGS})
+        dist.check_agreement({k: v for k, v in fields.items() if k not in PER_RANK_ARGS})
         parts = build_model(args, backend, Ops(backend), dist, load_tokenizer=False)
         runner = parts.runner
         while True:

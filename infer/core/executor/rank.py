@@ -1,0 +1,131 @@
+"""What one rank runs, whichever process it lives in (the engine's, a worker's, a Ray
+actor's): its backend on its device, its shard of the model, and a step's forward from
+host inputs. The engine, the worker loop and the draft-model proposer all build and
+step models through these functions."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...dispatch import Ops
+from ...registry import get_backend, registry
+from ..args import EngineArgs
+from ..distributed import DistributedState, StepInput
+from ..loader import load_model
+from ..lora import add_lora
+from ..lowering import TP_GROUP, lower
+from ..memory import trim_heap
+from ..model_runner import CARRIED, ModelRunner
+from ..parallel import shard_graph
+
+
+@dataclass
+class ModelParts:
+    """One rank's model: what `build_model` makes for the engine and for a worker rank."""
+
+    loaded: Any  # LoadedModel, without weights
+    graph: Any
+    program: Any
+    runner: ModelRunner
+    dtype: str
+    max_model_len: int
+
+
+def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None, load_tokenizer: bool) -> ModelParts:
+    """Load the checkpoint's config, build and (on a tensor-parallel rank) shard the
+    graph, lower it for `backend`, and load this rank's weights into a runner."""
+    reg = registry()
+    m = load_model(a.model, load_weights=False, load_tokenizer=load_tokenizer, supported_architectures=reg.models)
+    name = str(m.dtype) if a.dtype == "auto" else a.dtype
+    if name not in backend.dtypes:
+        raise ValueError(f"dtype {name} is not supported by backend '{backend.name}' "
+                         f"(supported: {', '.join(backend.dtypes)})")
+    graph = reg.models[m.architecture](m.config)
+    if dist is not None:
+        if dist.config.pipeline_parallel_size > 1:
+            graph = graph.stage(*dist.stage_layers(graph.num_layers))
+        graph = shard_graph(graph, dist.tp_rank, dist.config.tensor_parallel_size)
+    if a.enable_lora:
+        add_lora(graph, a.max_loras, a.max_lora_rank)
+    program = lower(graph, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs)))
+    model_len = graph.config.max_position_embeddings
+    if a.max_model_len is not None and a.max_model_len > model_len:
+        raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
+    max_model_len = a.max_model_len or model_len
+    # 'auto' keeps stored quantized weights where the backend's quantized kernels
+    # pay (always for 16-bit activations; for float32 only where they are exact).
+    keep = a.quantization == "fp8" or (a.quantization == "auto" and backend.keeps_quantized(name))
+    weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
+    runner = ModelRunner(program, backend, ops, weights, name, max_model_len, quantization=a.quantization,
+                         kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None)
+    weights.close()
+    del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
+    trim_heap()
+    return ModelParts(m, graph, program, runner, name, max_model_len)
+
+
+def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | None = None):
+    """One step's forward on this rank from host inputs (a worker's, or the driver's).
+
+    A pipeline stage after the first receives the previous stage's residual
+    stream, one before the last sends its own on; the last stage's logits go
+    to the rank(s) that sample (`DistributedState.share_logits`)."""
+    be = runner.backend
+    move_blocks(runner, step.tier_ops, step.block_copies)
+    staged = dist is not None and dist.config.pipeline_parallel_size > 1
+    carry = None
+    if staged and not dist.is_first_stage:
+        shape = (len(step.input_ids), runner.config.hidden_size)
+        carry = dist.recv_carry(be, CARRIED, shape, runner.dtype)
+    lora = None if step.lora_indices is None else be.asarray(step.lora_indices)
+    out = runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
+                         runner.prepare_metadata(step.meta), carry, lora)
+    if not staged:
+        return out
+    if not dist.is_last_stage:
+        dist.send_carry(out.carry)
+    logits = dist.share_logits(be, out.logits, (len(step.sample_rows), runner.config.vocab_size))
+    return dataclasses.replace(out, logits=logits, carry=None)
+
+
+def move_blocks(runner: ModelRunner, tier_ops, copies) -> None:
+    """A step's block moves before its forward: the copies to and from the host tier,
+    then the copy-on-write block copies."""
+    if tier_ops:
+        runner.kv_tier.apply(runner.backend, runner.kv_caches, tier_ops)
+    copy_blocks(runner, copies)
+
+
+def rank_path(path: str | None, dist: DistributedState | None) -> str | None:
+    """This rank's file of the host tier: ranks hold different KV shards."""
+    if path is None or dist is None or dist.config.world_size == 1:
+        return path
+    return f"{path}.rank{dist.rank}"
+
+
+def copy_blocks(runner: ModelRunner, copies) -> None:
+    """The scheduler's copy-on-write block copies, (src, dst) pairs, in every layer's cache."""
+    if copies:
+        src, dst = (np.array(x, dtype=np.int64) for x in zip(*copies))
+        for cache in runner.kv_caches:
+            runner.backend.copy_blocks(cache, src, dst)
+
+
+def device_index(a: EngineArgs, local_rank: int) -> int:
+    """Which of this node's accelerators a rank uses: the replica's ranks on this node
+    come after the earlier data-parallel replicas' (one device per rank)."""
+    per_node = a.tensor_parallel_size * a.pipeline_parallel_size // max(a.nnodes, 1)
+    return a.data_parallel_rank * per_node + local_rank
+
+
+def rank_backend(a: EngineArgs, local_rank: int):
+    """The backend on this rank's device: ``<type>:<device_index>`` on an accelerator without --device."""
+    backend = get_backend(a.backend, device=a.device)
+    dev, index = str(backend.device), device_index(a, local_rank)
+    if a.device is None and index and dev in ("cuda", "npu"):
+        backend = get_backend(a.backend, device=f"{dev}:{index}")
+    return backend
