@@ -704,6 +704,30 @@ def test_each_rank_of_each_replica_gets_its_own_accelerator():
     assert device_index(EngineArgs(data_parallel_rank=3), 0) == 3
 
 
+def test_a_rank_asks_its_backend_which_device_it_takes(monkeypatch):
+    """The device of a rank comes from the backend (`Backend.rank_device`), not from device
+    names known to the core: an accelerator's rank i takes ``<kind>:i`` (an ``npu:0`` default
+    too), a host-memory backend keeps one device for all, and --device wins."""
+    from infer.backends.cpu_ref import CpuRefBackend
+    from infer.core.args import EngineArgs
+    from infer.core.executor import rank
+
+    made = []
+
+    def get_backend(name, device=None):
+        made.append(device)
+        return CpuRefBackend(device=device or ("npu:0" if name == "chip" else None))
+
+    monkeypatch.setattr(rank, "get_backend", get_backend)
+    tp4 = dict(tensor_parallel_size=4)
+    assert rank.rank_backend(EngineArgs(backend="chip", **tp4), 2).device == "npu:2"
+    assert rank.rank_backend(EngineArgs(backend="chip", **tp4), 0).device == "npu:0"
+    host = rank.rank_backend(EngineArgs(backend="cpu_ref", **tp4), 3)
+    assert host.device == "cpu" and host.host_memory and host.rank_device(3) is None
+    assert rank.rank_backend(EngineArgs(backend="chip", device="npu:7", **tp4), 2).device == "npu:7"
+    assert made == [None, "npu:2", None, None, "npu:7"]
+
+
 class _Replica:
     """An AsyncLLM stand-in: streams two outputs per request and records aborts."""
 

@@ -224,8 +224,7 @@ class ModelRunner:
         from .kv_tier import TierStore
 
         block_bytes = int(self.backend.read_blocks(self.kv_caches[0], np.zeros(0, np.int64)).shape[1])
-        on_host = str(getattr(self.backend, "device", "cpu") or "cpu").startswith("cpu")
-        self.kv_tier = TierStore(len(self.kv_caches), num_blocks, block_bytes, path, mapped=on_host)
+        self.kv_tier = TierStore(len(self.kv_caches), num_blocks, block_bytes, path, mapped=self.backend.host_memory)
 
     def release_kv_caches(self) -> None:
         self.kv_caches, self.contexts, self._steps, self._checked_steps = [], {}, [], []

@@ -79,6 +79,23 @@ class Backend(ABC):
     def default_device(self) -> str:
         return "cpu"
 
+    # -- what the core asks about the device (never a device string of its own) --
+    @property
+    def device_kind(self) -> str:
+        """The type of `self.device`: 'cpu', 'cuda', 'npu', ... (the part before ':index')."""
+        return str(self.device).partition(":")[0]
+
+    @property
+    def host_memory(self) -> bool:
+        """Whether this backend's tensors live in host memory (then the KV host tier is a
+        memory-mapped file, and the ranks of a node share the host instead of one device each)."""
+        return self.device_kind == "cpu"
+
+    def rank_device(self, local_index: int) -> str | None:
+        """The device of the rank at `local_index` among this node's ranks when the user named
+        none: ``<kind>:<index>`` on an accelerator; None in host memory (every rank on this one)."""
+        return None if self.host_memory else f"{self.device_kind}:{local_index}"
+
     @classmethod
     def is_available(cls) -> Support:
         """Whether this backend can run here; a reason (and the fix) when not."""

@@ -125,7 +125,6 @@ def device_index(a: EngineArgs, local_rank: int) -> int:
 def rank_backend(a: EngineArgs, local_rank: int):
     """The backend on this rank's device: ``<type>:<device_index>`` on an accelerator without --device."""
     backend = get_backend(a.backend, device=a.device)
-    dev, index = str(backend.device), device_index(a, local_rank)
-    if a.device is None and index and dev in ("cuda", "npu"):
-        backend = get_backend(a.backend, device=f"{dev}:{index}")
-    return backend
+    index = device_index(a, local_rank)
+    device = backend.rank_device(index) if a.device is None and index else None
+    return get_backend(a.backend, device=device) if device is not None else backend
