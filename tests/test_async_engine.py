@@ -248,3 +248,31 @@ def test_an_output_nobody_streams_does_not_hide_the_rest_of_the_step(allm):
 
     outs = asyncio.run(run())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_call_runs_on_the_engine_thread_between_steps(allm):
+    """`AsyncLLM.call` is how the server changes an engine: fn(engine) runs on the engine
+    thread (the only one that touches it), its result or exception comes back to the caller,
+    and requests in flight keep going around it."""
+    import threading
+
+    def where(engine):
+        assert engine is allm.engine
+        return threading.current_thread().name
+
+    def bad(engine):
+        raise KeyError("no such adapter")
+
+    async def run():
+        outs = asyncio.ensure_future(collect(allm, "r", PROMPTS[0]))
+        name = await allm.call(where)
+        with pytest.raises(KeyError, match="no such adapter"):
+            await allm.call(bad)
+        return name, await outs
+
+    name, outs = asyncio.run(run())
+    assert name == "infer-engine" and outs[-1].finished
+    assert 0.0 <= allm.kv_usage <= 1.0
+    allm.shutdown()
+    with pytest.raises(EngineDeadError, match="shutting down"):
+        asyncio.run(allm.call(where))

@@ -784,6 +784,10 @@ def test_data_parallel_routing_and_abort():
         dp.abort("never-routed")
         assert replicas[0].aborted == ["never-routed"] and replicas[1].aborted == ["b", "never-routed"]
         assert dp.dead is None and dp.failure is None
+        replicas[0].kv_usage, replicas[1].kv_usage = 0.5, 0.25
+        d = await dp.generate("d", "p", None)
+        assert dp._owner == {"d": 1}  # as many in flight: the replica whose KV pool is emptier
+        assert [o async for o in d] == [("d", 0), ("d", 1)]
         replicas[0].failure = "down"
         c = await dp.generate("c", "p", None)
         assert dp._owner == {"c": 1}  # a failed replica gets no new work

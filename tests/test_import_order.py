@@ -87,15 +87,61 @@ print(json.dumps({k: max(v) for k, v in rates.items()}))
 """
 
 
+POOLS = """
+import json, os, threading
+import torch
+from infer import LLM, SamplingParams
+llm = LLM("smollm2", backend="torch", max_num_seqs=1, max_model_len=128, skip_tokenizer_init=True)
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+run = lambda: llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], params, use_tqdm=False)
+threads = lambda: len(os.listdir("/proc/self/task"))
+run()  # whatever a first call starts for good
+counts = {"idle": threads()}
+run()
+counts["after main"] = threads()
+seen = []
+t = threading.Thread(target=lambda: (run(), seen.append(threads())))
+t.start(); t.join()
+counts["in the thread, after"], counts["after the thread"] = seen[0], threads()
+print(json.dumps({"counts": counts, "torch threads": torch.get_num_threads()}))
+"""
+
+
+def _without_omp_settings() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+
+
+@pytest.mark.slow
+def test_a_thread_that_ran_the_engine_keeps_no_openmp_workers():
+    """The mechanism behind the next test, counted instead of timed: libgomp keeps a pool of
+    workers per thread that starts parallel regions; after `LLM.generate` returns, its
+    thread's pool is gone (infer/openmp.py), so no pool of the main thread's is docked
+    while another thread steps the engine."""
+    require_smollm2()
+    res = subprocess.run([sys.executable, "-c", POOLS], capture_output=True, text=True, timeout=300,
+                         env=_without_omp_settings())
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    c = out["counts"]
+    assert out["torch threads"] > 1  # or there would be no workers to count
+    assert c["after main"] == c["idle"], c
+    assert c["in the thread, after"] == c["idle"] + 1, c  # the thread itself, and none of its workers
+    assert c["after the thread"] == c["idle"], c
+
+
 @pytest.mark.slow
 def test_decode_on_another_thread_is_as_fast_as_on_the_main_thread():
     """libgomp keeps a worker pool per thread that runs parallel regions; two pools hold more
     threads than cores and libgomp then throttles its workers' spin-wait, which halved decode
-    on the server's engine thread (infer/openmp.py). Best of 7 interleaved rounds each."""
+    on the server's engine thread (infer/openmp.py). Best of 7 interleaved rounds each; up to
+    3 attempts, since the other test worker shares the 2 cores (the unfixed ratio was 0.45-0.55
+    in every attempt)."""
     require_smollm2()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    res = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    best = json.loads(res.stdout.strip().splitlines()[-1])
-    for kind in ("engine thread", "new thread"):
-        assert best[kind] >= 0.9 * best["main"], best
+    for attempt in range(3):
+        res = subprocess.run([sys.executable, "-c", THREADS], capture_output=True, text=True, timeout=300,
+                             env=_without_omp_settings())
+        assert res.returncode == 0, res.stderr[-3000:]
+        best = json.loads(res.stdout.strip().splitlines()[-1])
+        if all(best[kind] >= 0.9 * best["main"] for kind in ("engine thread", "new thread")):
+            return
+    pytest.fail(f"decode tok/s, best of 7 rounds, in each of 3 attempts; the last: {best}")

@@ -89,7 +89,9 @@ class AsyncLLM:
         self._cv = threading.Condition()
         self._adds: list[tuple[str, Any, SamplingParams, int, _Stream, Any]] = []  # ..., the LoRARequest
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []  # `call`: fn(engine), its future
         self._stop = False
+        self.kv_usage = 0.0  # the pool's use after the last iteration, published by the engine thread
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread = threading.Thread(target=self._loop, name="infer-engine", daemon=True)
@@ -139,6 +141,20 @@ class AsyncLLM:
             if not finished:  # the consumer left early (client disconnect, cancel)
                 self.abort(request_id)
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread between two steps; its result, or its exception,
+        here. The only way the server changes the engine (LoRA loads and unloads): the
+        engine is touched by one thread, so its parts need no locks."""
+        future = asyncio.get_running_loop().create_future()
+        with self._cv:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine failed earlier: {self.dead}")
+            if self._stop:
+                raise EngineDeadError("the engine is shutting down")
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request; safe from any thread, a no-op once it finished."""
         with self._cv:
@@ -154,9 +170,10 @@ class AsyncLLM:
         if not self._thread.is_alive():
             self.engine.shutdown()  # worker ranks of a distributed engine stop with it
 
+
     @property
-    def engines(self) -> list:
-        return [self.engine]
+    def replicas(self) -> list[AsyncLLM]:
+        return [self]
 
     @property
     def failure(self) -> str | None:
@@ -175,13 +192,20 @@ class AsyncLLM:
         engine = self.engine
         while True:
             with self._cv:
-                if not (self._adds or self._aborts or self._stop or engine.has_unfinished_requests()):
+                if not (self._adds or self._aborts or self._calls or self._stop or engine.has_unfinished_requests()):
                     release_pool()  # idle: no OpenMP pool of this thread's competes with another's (infer/openmp.py)
-                while not (self._adds or self._aborts or self._stop or engine.has_unfinished_requests()):
+                while not (self._adds or self._aborts or self._calls or self._stop or engine.has_unfinished_requests()):
                     self._cv.wait()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
                 stop = self._stop
+            for fn, future in calls:
+                try:
+                    result, error = fn(engine), None
+                except Exception as exc:  # the caller's to handle (a bad adapter, an unknown name)
+                    result, error = None, exc
+                _call(future.get_loop(), _settle, future, result, error)
             for item in adds:
                 self._add(*item)
             for rid in aborts + (list(self._streams) if stop else []):
@@ -195,7 +219,9 @@ class AsyncLLM:
                     return
             elif stop:
                 return
-            self._log(engine.get_stats(), iteration)
+            stats = engine.get_stats()
+            self.kv_usage = stats.kv_cache_usage
+            self._log(stats, iteration)
 
     def _add(self, request_id: str, prompt: Any, params: SamplingParams, priority: int, stream: _Stream,
              lora_request=None) -> None:
@@ -253,6 +279,9 @@ class AsyncLLM:
         with self._cv:  # under the lock, so no add can slip in after the drain
             self.dead = exc
             pending, self._adds = self._adds, []
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            _call(future.get_loop(), _resolve, future, err)
         for stream in self._streams.values():
             _call(stream.loop, stream.put, err)
         for item in pending:
@@ -276,10 +305,14 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> bool:
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    _settle(future, None, error)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if future.done():  # the caller was cancelled meanwhile
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
 

@@ -25,9 +25,6 @@ class DataParallelLLM:
         self.in_flight = [0] * len(replicas)
         self._owner: dict[str, int] = {}
 
-    @property
-    def engines(self) -> list:
-        return [r.engine for r in self.replicas]
 
     @property
     def engine(self):
@@ -50,11 +47,7 @@ class DataParallelLLM:
     def pick(self) -> int:
         """The replica the next request goes to."""
         def load(i: int) -> tuple:
-            try:
-                usage = self.replicas[i].engine.scheduler.block_manager.usage
-            except AttributeError:
-                usage = 0.0
-            return self.in_flight[i], usage, i
+            return self.in_flight[i], getattr(self.replicas[i], "kv_usage", 0.0), i
 
         live = [i for i, r in enumerate(self.replicas) if r.failure is None] or list(range(len(self.replicas)))
         return min(live, key=load)

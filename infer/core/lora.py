@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,64 +215,57 @@ class LoRAManager:
         self.slots: list[LoRARequest | None] = [None] * max_loras  # slot i + 1 holds slots[i]
         self._slot_use: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
         self._unloaded: set[LoRARequest] = set()  # never registered again (a new load has a new id)
-        self._lock = threading.RLock()  # the engine thread steps; a server thread loads and unloads
         self.loads = 0  # adapters written into a device slot
 
     # -- names -----------------------------------------------------------------
     def register(self, request: LoRARequest, adapter: Adapter | None = None) -> Adapter:
         """Know an adapter by its name (one name, one adapter); read and check it now (or
         take `adapter`, read already) so a bad one fails its request, not a later step."""
-        with self._lock:
-            old = self.known.get(request.lora_name)
-            if old is not None and old != request:
-                raise LoRAError(f"LoRA adapter {request.lora_name!r} is already loaded from {old.lora_path!r} "
-                                f"(id {old.lora_int_id}); unload it first or use another name")
-            for other in self.known.values():
-                if other.lora_int_id == request.lora_int_id and other.lora_name != request.lora_name:
-                    raise LoRAError(f"lora_int_id {request.lora_int_id} is taken by adapter {other.lora_name!r}")
-            if request in self._unloaded:
-                raise LoRAError(f"LoRA adapter {request.lora_name!r} was unloaded")
-        if request not in self.host:  # read outside the lock: the engine thread steps meanwhile
+        old = self.known.get(request.lora_name)
+        if old is not None and old != request:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} is already loaded from {old.lora_path!r} "
+                            f"(id {old.lora_int_id}); unload it first or use another name")
+        for other in self.known.values():
+            if other.lora_int_id == request.lora_int_id and other.lora_name != request.lora_name:
+                raise LoRAError(f"lora_int_id {request.lora_int_id} is taken by adapter {other.lora_name!r}")
+        if request in self._unloaded:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} was unloaded")
+        if request not in self.host:
             adapter = adapter or load_adapter(request.lora_path, request.lora_name, self.max_rank, self.num_layers)
             self.check(adapter)
-        with self._lock:
-            if request not in self.host:
-                self.host[request] = adapter
-            self.host.move_to_end(request)
-            self.known[request.lora_name] = request
-            self._trim_host(keep=request)
-            return self.host[request]
+        if request not in self.host:
+            self.host[request] = adapter
+        self.host.move_to_end(request)
+        self.known[request.lora_name] = request
+        self._trim_host(keep=request)
+        return self.host[request]
 
     def unregister(self, name: str) -> LoRARequest:
         """Forget an adapter for new requests; running ones finish with it."""
-        with self._lock:
-            request = self.known.pop(name)
-            self._unloaded.add(request)
-            if not self.users.get(request):
-                self._drop(request)
-            return request
+        request = self.known.pop(name)
+        self._unloaded.add(request)
+        if not self.users.get(request):
+            self._drop(request)
+        return request
 
     def next_id(self) -> int:
         """An adapter id no adapter of this engine has had (loaded or still in use)."""
-        with self._lock:
-            return max((r.lora_int_id for r in (*self.known.values(), *self.users, *self._unloaded)), default=0) + 1
+        return max((r.lora_int_id for r in (*self.known.values(), *self.users, *self._unloaded)), default=0) + 1
 
     def acquire(self, request: LoRARequest) -> None:
         """A request now runs with the adapter: it stays in host memory until `release`."""
-        with self._lock:
-            self.users[request] = self.users.get(request, 0) + 1
+        self.users[request] = self.users.get(request, 0) + 1
 
     def release(self, request: LoRARequest) -> None:
-        with self._lock:
-            left = self.users[request] - 1
-            if left:
-                self.users[request] = left
-                return
-            del self.users[request]
-            if self.known.get(request.lora_name) != request:  # unloaded meanwhile: its last request ended
-                self._drop(request)
-            else:
-                self._trim_host()
+        left = self.users[request] - 1
+        if left:
+            self.users[request] = left
+            return
+        del self.users[request]
+        if self.known.get(request.lora_name) != request:  # unloaded meanwhile: its last request ended
+            self._drop(request)
+        else:
+            self._trim_host()
 
     def _drop(self, request: LoRARequest) -> None:
         self.host.pop(request, None)
@@ -309,22 +301,21 @@ class LoRAManager:
         """Put every adapter of a step (at most max_loras) into a device slot; their slot ids."""
         if len(requests) > self.max_loras:
             raise ValueError(f"a step uses {len(requests)} LoRA adapters, max_loras is {self.max_loras}")
-        with self._lock:
-            out = {r: self.slots.index(r) + 1 for r in requests if r in self.slots}
-            for request in requests - set(out):
-                free = next(i for i in self._slot_use if self.slots[i] not in requests)
-                adapter = self.host.get(request)
-                if adapter is None:  # not acquired (the engine acquires): read it now
-                    adapter = self.host[request] = load_adapter(request.lora_path, request.lora_name, self.max_rank,
-                                                                self.num_layers)
-                    self.check(adapter)
-                self.slots[free] = None  # while its rows are rewritten
-                self._write_slot(free + 1, adapter)
-                self.slots[free] = request
-                out[request] = free + 1
-            for slot in out.values():
-                self._slot_use.move_to_end(slot - 1)
-            return out
+        out = {r: self.slots.index(r) + 1 for r in requests if r in self.slots}
+        for request in requests - set(out):
+            free = next(i for i in self._slot_use if self.slots[i] not in requests)
+            adapter = self.host.get(request)
+            if adapter is None:  # not acquired (the engine acquires): read it now
+                adapter = self.host[request] = load_adapter(request.lora_path, request.lora_name, self.max_rank,
+                                                            self.num_layers)
+                self.check(adapter)
+            self.slots[free] = None  # while its rows are rewritten
+            self._write_slot(free + 1, adapter)
+            self.slots[free] = request
+            out[request] = free + 1
+        for slot in out.values():
+            self._slot_use.move_to_end(slot - 1)
+        return out
 
     def _write_slot(self, slot: int, adapter: Adapter) -> None:
         runner, r = self.runner, self.max_rank

@@ -39,20 +39,21 @@ def install_lora_routes(app: FastAPI, models: ModelRegistry) -> None:
             base = models.lora_base()
             if body.lora_name in models.adapters or body.lora_name in models.models:
                 raise APIError(400, f"the LoRA adapter '{body.lora_name}' has already been loaded", "lora_name")
-            engines = base.llm.engines
-            manager = engines[0].lora
+            # Each engine is changed on its own thread (AsyncLLM.call), never from here.
+            replicas = base.llm.replicas
+            seen = [await r.call(lambda e: (e.lora.next_id(), e.lora.max_rank, e.lora.num_layers)) for r in replicas]
             # An id no engine has seen: a reload under an old name is another adapter (own prefix-cache blocks).
-            request = LoRARequest(body.lora_name, max(e.lora.next_id() for e in engines), body.lora_path)
+            request = LoRARequest(body.lora_name, max(next_id for next_id, _, _ in seen), body.lora_path)
+            _, max_rank, num_layers = seen[0]
             registered = []
             try:  # read and checked off the event loop; the engines only take the result
-                adapter = await asyncio.to_thread(load_adapter, body.lora_path, body.lora_name, manager.max_rank,
-                                                  manager.num_layers)
-                for engine in engines:
-                    engine.lora.register(request, adapter)
-                    registered.append(engine)
+                adapter = await asyncio.to_thread(load_adapter, body.lora_path, body.lora_name, max_rank, num_layers)
+                for r in replicas:
+                    await r.call(lambda e: e.lora.register(request, adapter))
+                    registered.append(r)
             except LoRAError as exc:
-                for engine in registered:
-                    engine.lora.unregister(body.lora_name)
+                for r in registered:
+                    await r.call(lambda e: e.lora.unregister(body.lora_name))
                 raise APIError(400, str(exc), "lora_path") from None
             models.add_adapter(base, request)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -67,6 +68,6 @@ def install_lora_routes(app: FastAPI, models: ModelRegistry) -> None:
                 raise APIError(400, f"the LoRA adapter '{body.lora_name}' has id {adapter.lora.lora_int_id}, "
                                     f"not {body.lora_int_id}", "lora_int_id")
             del models.adapters[body.lora_name]
-            for engine in adapter.base.llm.engines:
-                engine.lora.unregister(body.lora_name)  # running requests finish with it
+            for r in adapter.base.llm.replicas:
+                await r.call(lambda e: e.lora.unregister(body.lora_name))  # running requests finish with it
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
