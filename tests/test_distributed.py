@@ -735,6 +735,7 @@ class _Replica:
         self.aborted: list[str] = []
         self.failure = None
         self.dead = None
+        self.kv_usage = 0.0
 
     async def generate(self, request_id, prompt, params, priority=0, lora_request=None):
         async def stream():

@@ -170,7 +170,6 @@ class AsyncLLM:
         if not self._thread.is_alive():
             self.engine.shutdown()  # worker ranks of a distributed engine stop with it
 
-
     @property
     def replicas(self) -> list[AsyncLLM]:
         return [self]

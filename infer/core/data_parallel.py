@@ -47,7 +47,7 @@ class DataParallelLLM:
     def pick(self) -> int:
         """The replica the next request goes to."""
         def load(i: int) -> tuple:
-            return self.in_flight[i], getattr(self.replicas[i], "kv_usage", 0.0), i
+            return self.in_flight[i], self.replicas[i].kv_usage, i
 
         live = [i for i, r in enumerate(self.replicas) if r.failure is None] or list(range(len(self.replicas)))
         return min(live, key=load)

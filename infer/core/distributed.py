@@ -271,10 +271,10 @@ class DistributedState:
 
     def abort(self) -> None:
         """After a failed collective the group is unusable: stop this node's worker ranks and
-        leave the process group now, on this thread. Left to `__del__` at interpreter exit, the
-        teardown (a stop message to a dead group, then the group's destruction) ran while
-        Python finalized objects in collection order, and one full-suite run died there of
-        SIGABRT in torch's tensor clean-up instead of exiting with its own code."""
+        leave the process group now, on this thread. Left to `__del__`, that teardown (a stop
+        message to a dead group, then the group's destruction) ran during interpreter exit, in
+        collection order, where one full-suite run died of SIGABRT in torch's tensor clean-up
+        instead of exiting with its own code."""
         if self._closed:
             return
         self._closed = True
