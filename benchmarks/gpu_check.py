@@ -683,7 +683,7 @@ def section_memory(out):
         startup = time.perf_counter() - start
         engine = llm.engine
         want = graph_batch_sizes(seqs)
-        got = sorted(engine.decode_graphs.graphs) if engine.decode_graphs is not None else []
+        got = sorted(engine.worker.decode_graphs.graphs) if engine.worker.decode_graphs is not None else []
         blocks = engine.cache_config.num_blocks
         print(f"  startup {startup:.1f} s: {blocks:,} KV blocks of {engine.cache_config.block_size} tokens; "
               f"graphs captured for {len(got)} of {len(want)} batch sizes")
@@ -771,13 +771,13 @@ def section_engine(out):
                           kv_cache_memory=2 << 30, kv_cache_dtype="fp8" if mode.startswith("fp8") else "auto")
                 engine = llm.engine
                 graphs_mode = mode.endswith("graphs")
-                if graphs_mode and engine.decode_graphs is None and not SMOKE_MODE:
+                if graphs_mode and engine.worker.decode_graphs is None and not SMOKE_MODE:
                     raise AssertionError(f"the engine captured no decode graphs on the GPU ({mode})")
-                if mode.endswith("static") or engine.decode_graphs is None and graphs_mode:  # smoke: no CUDA graph
-                    engine.decode_graphs = DecodeGraphs(engine.runner.forward, engine.backend.device, engine.max_model_len,
+                if mode.endswith("static") or engine.worker.decode_graphs is None and graphs_mode:  # smoke: no CUDA graph
+                    engine.worker.decode_graphs = DecodeGraphs(engine.worker.runner.forward, engine.backend.device, engine.max_model_len,
                                                         engine.cache_config.block_size, graph_batch_sizes(batch),
                                                         use_graphs=False)
-                    engine.decode_graphs.capture()
+                    engine.worker.decode_graphs.capture()
                 llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # warm-up
                 if engine.expert_load is not None:
                     engine.expert_load.reset()
@@ -786,7 +786,7 @@ def section_engine(out):
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 sync()
                 seconds = time.perf_counter() - start
-                replays = engine.decode_graphs.replays if engine.decode_graphs is not None else 0
+                replays = engine.worker.decode_graphs.replays if engine.worker.decode_graphs is not None else 0
                 got[mode] = [o.outputs[0].token_ids for o in outs]
                 if engine.expert_load is not None:
                     load[mode] = engine.expert_load.snapshot().tokens_per_expert

@@ -82,12 +82,12 @@ def child(spec: dict) -> dict:
     wall, steps = run(prompts, spec["output_len"])
     collectives = sum(s for (node, call, impl), s in trace.seconds.items() if call in ("all_reduce", "all_gather"))
     rss = {"rank0": _status("self")}
-    for i, p in enumerate(engine.dist.workers if engine.dist else []):
+    for i, p in enumerate(engine.executor.dist.workers if engine.executor.dist else []):
         rss[f"rank{i + 1}"] = _status(p.pid)
     result = dict(tp=tp, pp=pp, label=f"TP={tp}" + (f" PP={pp}" if pp > 1 else ""), load_s=load_s,
                   decode_tok_s=decode_tok_s, decode_collective_share=decode_share,
                   workload_tok_s=spec["requests"] * spec["output_len"] / wall, workload_s=wall,
-                  workload_collective_share=collectives / sum(steps), weight_bytes_rank0=held_bytes(engine.runner),
+                  workload_collective_share=collectives / sum(steps), weight_bytes_rank0=held_bytes(engine.worker.runner),
                   rss=rss, calls={f"{call}": n for (node, call, impl), n in trace.counts.items()
                                   if call in ("all_reduce", "all_gather")})
     engine.shutdown()

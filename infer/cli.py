@@ -158,7 +158,7 @@ def _kv_capacity_table(args: argparse.Namespace, reg) -> Table:
                 table.add_row(name, "", f"[red]{escape(type(exc).__name__)}[/]: {escape(str(exc))}", "", "")
                 continue
             cache = engine.cache_config
-            per_block = engine.runner.kv_cache_bytes_per_block(cache.block_size)
+            per_block = engine.worker.runner.kv_cache_bytes_per_block(cache.block_size)
             sizes = "/".join(str(k * cache.block_size) for k in cache.block_multiples)
             host = (f"{cache.num_tier_blocks * cache.block_size:,} tokens "
                     f"({cache.num_tier_blocks * per_block / 2**20:,.0f} MiB)" if cache.num_tier_blocks else "none")

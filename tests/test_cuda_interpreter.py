@@ -508,15 +508,15 @@ def _greedy_tokens(path, name, prompts, params, kv_cache_dtype="auto", kv_scales
     llm = LLM(path, backend=name.removesuffix("_padded"), skip_tokenizer_init=True, max_num_seqs=4,
               max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
-    assert engine.ops.provider("attention", kv_cache_dtype=kv_cache_dtype).name == name.removesuffix("_padded")
-    assert kv_scales is None or engine.runner.kv_scales == kv_scales, engine.runner.kv_scales
-    assert engine.decode_graphs is None  # interpreter mode captures nothing
+    assert engine.worker.ops.provider("attention", kv_cache_dtype=kv_cache_dtype).name == name.removesuffix("_padded")
+    assert kv_scales is None or engine.worker.runner.kv_scales == kv_scales, engine.worker.runner.kv_scales
+    assert engine.worker.decode_graphs is None  # interpreter mode captures nothing
     if name == "cuda_padded":
-        engine.decode_graphs = DecodeGraphs(engine.runner.forward, engine.backend.device, engine.max_model_len, engine.cache_config.block_size,
+        engine.worker.decode_graphs = DecodeGraphs(engine.worker.runner.forward, engine.backend.device, engine.max_model_len, engine.cache_config.block_size,
                                             (1, 2, 4), use_graphs=False)
-        engine.decode_graphs.capture()
+        engine.worker.decode_graphs.capture()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert name != "cuda_padded" or engine.decode_graphs.replays > 0
+    assert name != "cuda_padded" or engine.worker.decode_graphs.replays > 0
     if params.logprobs is not None:  # tokens and their log-probabilities
         return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
                 for c in (o.outputs[0] for o in outs)]

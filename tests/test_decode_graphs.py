@@ -66,7 +66,7 @@ def test_decode_steps_padded_into_captured_sizes_give_transformers_tokens(tiny_l
     llm = make(path, leak_check)
     asked = static_graphs[0]
     assert asked["batch_sizes"] == (1, 2, 4, 8) and asked["max_model_len"] == llm.engine.max_model_len
-    graphs = llm.engine.decode_graphs
+    graphs = llm.engine.worker.decode_graphs
     assert graphs is static_graphs[0]["graphs"]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in (21, 5, 37, 16, 2)]
@@ -83,7 +83,7 @@ def test_a_one_token_prompt_chunk_in_a_decode_shaped_step_samples_nothing(tiny_l
     every row has one query, so the step goes to the graphs, but only three rows sample."""
     model, path = tiny_llama
     llm = make(path, leak_check, max_num_seqs=4, max_num_batched_tokens=4)
-    engine, graphs = llm.engine, llm.engine.decode_graphs
+    engine, graphs = llm.engine, llm.engine.worker.decode_graphs
     seen = []
     forward = graphs.forward
 
@@ -123,7 +123,7 @@ def test_one_token_prefill_chunks_run_through_the_graphs_and_only_prompt_ends_sa
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [greedy(model, p, 5) for p in prompts]
-    graphs = llm.engine.decode_graphs
+    graphs = llm.engine.worker.decode_graphs
     assert graphs.replays == max(len(p) + 5 - 1 for p in prompts)  # every step, prefill included
 
 
@@ -142,7 +142,7 @@ def test_preemption_forks_and_seeded_sampling_give_what_eager_steps_give(tiny_ll
         got[eager] = [(c.token_ids, [[step[t].logprob for t in sorted(step)] for step in c.logprobs])
                       for o in outs for c in o.outputs]
         assert llm.engine.scheduler.get_stats().num_preemptions > 0
-    assert llm.engine.decode_graphs.replays > 0
+    assert llm.engine.worker.decode_graphs.replays > 0
     assert [t for t, _ in got[False]] == [t for t, _ in got[True]]
     for (_, a), (_, b) in zip(got[False], got[True]):
         np.testing.assert_allclose(np.concatenate(a), np.concatenate(b), atol=1e-5)
@@ -159,7 +159,7 @@ def test_moe_expert_counts_leave_the_padding_out(tmp_path, static_graphs, leak_c
         outs = llm.generate(prompts, params, use_tqdm=False)
         snap = llm.engine.expert_load.snapshot()
         got[eager] = ([o.outputs[0].token_ids for o in outs], snap.tokens_per_expert)
-    assert llm.engine.decode_graphs.replays > 0
+    assert llm.engine.worker.decode_graphs.replays > 0
     assert got[False][0] == got[True][0]
     np.testing.assert_array_equal(got[False][1], got[True][1])
     # Every prompt token and every sampled token but the last was routed to top_k = 2 experts.
@@ -170,18 +170,18 @@ def test_moe_expert_counts_leave_the_padding_out(tmp_path, static_graphs, leak_c
 def test_enforce_eager_asks_the_backend_for_no_graphs(tiny_llama, static_graphs, leak_check):
     _, path = tiny_llama
     llm = make(path, leak_check, enforce_eager=True)
-    assert llm.engine.decode_graphs is None and not static_graphs
+    assert llm.engine.worker.decode_graphs is None and not static_graphs
 
 
 def test_cuda_graph_sizes_are_what_the_backend_captures(tiny_llama, static_graphs, leak_check):
     _, path = tiny_llama
     llm = make(path, leak_check, cuda_graph_sizes=[3, 1])
     assert static_graphs[0]["batch_sizes"] == (1, 3)
-    assert sorted(llm.engine.decode_graphs.pad_counts) == [1, 3]
+    assert sorted(llm.engine.worker.decode_graphs.pad_counts) == [1, 3]
     # A batch of 5 has no graph: it runs eagerly.
     meta = AttentionMetadata(np.arange(6, dtype=np.int32), np.full(5, 4, np.int32), np.zeros((5, 1), np.int32),
                              np.zeros(5, np.int64), 1, 4, 16)
-    assert not llm.engine.decode_graphs.can_replay(meta)
+    assert not llm.engine.worker.decode_graphs.can_replay(meta)
 
 
 def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny_llama, monkeypatch, caplog, leak_check):
@@ -193,7 +193,7 @@ def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny_llama, mo
     monkeypatch.setattr(TorchBackend, "decode_graphs", broken)
     with caplog.at_level(logging.WARNING, logger="infer"):
         llm = make(path, leak_check)
-    assert llm.engine.decode_graphs is None
+    assert llm.engine.worker.decode_graphs is None
     assert "failed to capture decode graphs" in caplog.text and "stream is capturing" in caplog.text
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
@@ -202,12 +202,12 @@ def test_a_failed_capture_is_reported_and_the_engine_runs_eagerly(tiny_llama, mo
 
 def test_the_torch_backend_captures_nothing(tiny_llama, leak_check):
     _, path = tiny_llama
-    assert make(path, leak_check).engine.decode_graphs is None
+    assert make(path, leak_check).engine.worker.decode_graphs is None
 
 
 def test_which_steps_can_replay(tiny_llama, leak_check):
     _, path = tiny_llama
-    runner = make(path, leak_check, max_model_len=64).engine.runner
+    runner = make(path, leak_check, max_model_len=64).engine.worker.runner
     graphs = DecodeGraphs(runner.forward, "cpu", max_model_len=64, block_size=16, batch_sizes=(1, 4), use_graphs=False)
 
     def meta(q_lens, seq_lens, width=1):
@@ -224,7 +224,7 @@ def test_which_steps_can_replay(tiny_llama, leak_check):
 
 def test_cuda_graphs_need_a_cuda_device(tiny_llama, leak_check):
     _, path = tiny_llama
-    runner = make(path, leak_check).engine.runner
+    runner = make(path, leak_check).engine.worker.runner
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
         DecodeGraphs(runner.forward, "cpu", max_model_len=64, block_size=16, batch_sizes=(1,))
 

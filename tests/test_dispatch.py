@@ -121,7 +121,7 @@ def test_cpu_ref_serves_every_call_itself(tiny_llama, leak_check):
     leak_check.append(llm.engine)
     llm.generate([PROMPT], GREEDY, use_tqdm=False)
     t = table(llm.engine.dispatch_trace)
-    layers = llm.engine.runner.program.graph.num_layers
+    layers = llm.engine.worker.runner.program.graph.num_layers
     assert {impl for impls in t.values() for impl in impls} == {"cpu_ref"}
     assert t[("attention", "attention")] == {"cpu_ref": 4 * layers}
     assert t[("attention", "linear")] == {"cpu_ref": 2 * 4 * layers}  # qkv and o
@@ -206,13 +206,13 @@ def test_a_contract_v1_backend_still_serves_the_engine(tiny_llama, monkeypatch, 
     llm = LLM(path, backend=cls.name, skip_tokenizer_init=True, trace_dispatch=True)
     leak_check.append(llm.engine)
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
-    layers = llm.engine.runner.program.graph.num_layers
+    layers = llm.engine.worker.runner.program.graph.num_layers
     assert cls.attention_calls == 4 * layers
     t = table(llm.engine.dispatch_trace)
     assert t[("attention", "attention")] == {cls.name: 4 * layers}
     assert not any(call.startswith("fused_") for _, call in t)  # v1 fused nodes are not used
-    assert llm.engine.decode_graphs is None
-    assert "contract v1" in llm.engine.ops.fuses("mlp").reason
+    assert llm.engine.worker.decode_graphs is None
+    assert "contract v1" in llm.engine.worker.ops.fuses("mlp").reason
 
 
 def test_a_kv_scales_argument_is_never_given_to_a_cache_in_the_model_dtype():

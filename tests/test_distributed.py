@@ -134,17 +134,19 @@ def test_a_moe_block_reduces_its_hidden_output_alone_not_its_expert_counts():
     assert any(c.inputs == moe_node.outputs[:1] for c in reduces)
 
 
-def test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop(monkeypatch):
-    """The worker loop with a stand-in process group: kv/release reach the runner, 'stop'
-    returns cleanly, an unknown message is an error; the group is left either way."""
+def test_a_worker_rank_runs_the_drivers_calls_and_stops_on_stop(monkeypatch):
+    """The worker loop with a stand-in process group: each (method, args) runs on the
+    rank's Worker (KV allocation reaches the runner, the tier file gets the rank), 'stop'
+    returns cleanly, an unknown method is an error; the group is left either way."""
     from types import SimpleNamespace
 
     from infer.core import distributed, worker
-    from infer.core.executor import rank
+    from infer.core.executor import worker as executor_worker
 
     class Dist:
         def __init__(self, messages):
             self.messages, self.closed = list(messages), False
+            self.config, self.rank = SimpleNamespace(world_size=2), 1
 
         def check_agreement(self, fingerprint):
             pass
@@ -159,18 +161,23 @@ def test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop(monkeypatc
     runner = SimpleNamespace(allocate_kv_caches=lambda n, b: calls.append(("kv", n, b)),
                              allocate_kv_tier=lambda n, path: calls.append(("tier", n, path)),
                              release_kv_caches=lambda: calls.append(("release",)))
-    monkeypatch.setattr(rank, "build_model", lambda *a, **k: SimpleNamespace(runner=runner))
+
+    class Worker(executor_worker.Worker):
+        def __init__(self, args, backend, dist, load_tokenizer=False):  # no model: the runner above
+            self.dist, self.runner = dist, runner
+
+    monkeypatch.setattr(executor_worker, "Worker", Worker)
     spec = {"engine_args": {"backend": "cpu_ref"}, "parallel": {}, "local_rank": 0, "rank": 1}
-    dist = Dist([("kv", 4, 16, 0, None), ("kv", 4, 16, 8, "/x/tier"), ("release",), ("stop",), ("kv", 1, 1, 0, None)])
-    dist.config, dist.rank = SimpleNamespace(world_size=2), 1
+    dist = Dist([("allocate_kv", (4, 16)), ("allocate_kv", (4, 16, 8, "/x/tier")), ("release_kv", ()),
+                 ("stop", ()), ("allocate_kv", (1, 1))])
     monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
     worker.run(spec)
     # A rank's tier file is its own: the path gets the rank.
     assert calls == [("kv", 4, 16), ("kv", 4, 16), ("tier", 8, "/x/tier.rank1"), ("release",)]
-    assert dist.closed and dist.messages == [("kv", 1, 1, 0, None)]
-    dist = Dist([("bogus",)])
+    assert dist.closed and dist.messages == [("allocate_kv", (1, 1))]
+    dist = Dist([("bogus", ())])
     monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
-    with pytest.raises(RuntimeError, match="unknown message 'bogus'"):
+    with pytest.raises(AttributeError, match="bogus"):
         worker.run(spec)
     assert dist.closed
 
@@ -263,6 +270,60 @@ def test_tp2_with_ngram_speculation_generates_what_one_process_does(tiny_dirs):
     [one] = generate(tiny_dirs["llama"], engine, max_tokens=24)
     [two] = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": 2, "speculative_config": spec}, max_tokens=24)
     assert_same_generation(one, two)
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(tiny_dirs, tmp_path_factory):
+    """Two PEFT adapters of the tiny llama: every target at rank 8, and k/o at rank 2."""
+    from test_lora import make_adapter
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"])
+    out = []
+    for i, (r, targets) in enumerate([(8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"]), (2, ["k_proj", "o_proj"])]):
+        path = tmp_path_factory.mktemp(f"tp-lora{i}")
+        make_adapter(base, path, r, 2 * r, targets, False, seed=300 + i)
+        out.append([f"lora{i}", i + 1, str(path)])
+    return out
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_lora_adapters_on_parallel_ranks_generate_what_one_process_does(tiny_dirs, lora_adapters, tp, pp):
+    """Each rank writes its cut of an adapter (B's rows of its q/k/v and gate/up outputs,
+    A's columns of its o and down inputs; a pipeline stage its own layers' slots); two
+    adapters and the base model in one batch."""
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128, "enable_lora": True, "max_loras": 2,
+              "max_lora_rank": 8}
+    lora = {"loras": lora_adapters, "lora_of": [0, None, 1, 0][:len(PROMPTS)]}
+    [base] = generate(tiny_dirs["llama"], engine | {"enable_lora": False})
+    [one] = generate(tiny_dirs["llama"], engine, **lora)
+    [many] = generate(tiny_dirs["llama"], engine | {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}, **lora)
+    assert_same_generation(one, many)
+    changed = [a != b for a, b in zip(one["tokens"], base["tokens"])]
+    assert changed == [i is not None for i in lora["lora_of"]], changed  # the adapters move the tokens
+
+
+def test_tp2_with_a_draft_model_generates_what_one_process_does(tiny_dirs, tmp_path):
+    """The draft runs whole on rank 0 while the target is sharded; greedy verification
+    keeps the target's own tokens."""
+    from tiny_models import random_model
+
+    draft, _, _ = random_model("LlamaConfig", "LlamaForCausalLM", hidden_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=96, num_hidden_layers=1, vocab_size=211,
+                               max_position_embeddings=256)
+    draft.save_pretrained(tmp_path / "draft")
+    engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3,
+            "adaptive": False}
+    [plain] = generate(tiny_dirs["llama"], engine, max_tokens=16)
+    [one] = generate(tiny_dirs["llama"], engine | {"speculative_config": spec}, max_tokens=16)
+    [two] = generate(tiny_dirs["llama"], engine | {"speculative_config": spec, "tensor_parallel_size": 2},
+                     max_tokens=16)
+    assert_same_generation(one, two)
+    assert_same_generation(plain, two)
+    assert two["draft_tokens"] > 0 and (two["draft_tokens"], two["accepted_tokens"]) == (one["draft_tokens"],
+                                                                                         one["accepted_tokens"])
 
 
 @pytest.mark.parametrize("kind,tp,pp", [("llama", 1, 2), ("mixtral", 1, 2), ("llama", 2, 2)])
@@ -362,7 +423,7 @@ from infer import LLM, SamplingParams
 llm = LLM({tiny_dirs['llama']!r}, backend="torch", tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=128)
 p = SamplingParams(max_tokens=4, temperature=0)
 llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], p, use_tqdm=False)
-os.kill(llm.engine.dist.workers[0].pid, signal.SIGKILL)
+os.kill(llm.engine.executor.dist.workers[0].pid, signal.SIGKILL)
 start = time.monotonic()
 try:
     llm.generate([{{"prompt_token_ids": [1, 2, 3, 4]}}], p, use_tqdm=False)
@@ -638,7 +699,7 @@ from infer import LLM, SamplingParams
 llm = LLM({tiny_dirs['llama']!r}, backend="torch", tensor_parallel_size=2, skip_tokenizer_init=True, max_model_len=128)
 p = SamplingParams(max_tokens=4, temperature=0)
 llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], p, use_tqdm=False)
-worker = llm.engine.dist.workers[0]
+worker = llm.engine.executor.dist.workers[0]
 os.kill(worker.pid, signal.SIGSTOP)
 start = time.monotonic()
 try:

@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
 
 def test_kv_cache_memory_bytes_become_blocks(model_dir):
     e = LLMEngine(model=model_dir, backend="torch", skip_tokenizer_init=True, kv_cache_memory=4 << 20)
-    per_block = e.runner.kv_cache_bytes_per_block(e.cache_config.block_size)
+    per_block = e.worker.runner.kv_cache_bytes_per_block(e.cache_config.block_size)
     assert e.cache_config.num_blocks == (4 << 20) // per_block
 
 
@@ -31,7 +31,7 @@ def test_gpu_memory_utilization_leaves_the_profiled_peak_out(model_dir, monkeypa
     monkeypatch.setattr(TorchBackend, "memory_info", lambda self: (100 << 20, 30 << 20))
     monkeypatch.setattr(TorchBackend, "reset_peak_memory", lambda self: resets.append(True))
     e = LLMEngine(model=model_dir, backend="torch", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
-    per_block = e.runner.kv_cache_bytes_per_block(e.cache_config.block_size)
+    per_block = e.worker.runner.kv_cache_bytes_per_block(e.cache_config.block_size)
     assert resets, "the engine must profile a forward before sizing the pool"
     assert e.cache_config.num_blocks == ((50 - 30) << 20) // per_block
 

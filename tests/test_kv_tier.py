@@ -66,7 +66,7 @@ def test_swap_preemption_gives_the_tokens_of_an_unconstrained_run(make_llm, tiny
 
 def test_a_full_tier_falls_back_to_recompute(make_llm, tiny):
     tight = dict(block_size=4, max_model_len=64, num_gpu_blocks_override=16)
-    per_block = make_llm(**tight).engine.runner.kv_cache_bytes_per_block(4)
+    per_block = make_llm(**tight).engine.worker.runner.kv_cache_bytes_per_block(4)
     llm = make_llm(**tight, kv_offload_bytes=2 * per_block, preemption_mode="swap")  # two blocks: too few
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert generate(llm, PROMPTS, greedy) == [tiny.greedy(p, 16) for p in PROMPTS]
@@ -95,7 +95,7 @@ def test_the_tier_file_is_a_memory_map_of_every_layers_blocks(make_llm, tmp_path
     path = tmp_path / "tier.bin"
     llm = make_llm(block_size=4, max_model_len=48, num_gpu_blocks_override=14, kv_offload_bytes=TIER,
                    kv_offload_path=str(path))
-    runner = llm.engine.runner
+    runner = llm.engine.worker.runner
     store = runner.kv_tier
     slots = llm.engine.cache_config.num_tier_blocks
     assert isinstance(store.data, np.memmap) and path.stat().st_size == store.nbytes
@@ -237,7 +237,7 @@ def test_infer_backends_reports_kv_capacity_per_tier(make_llm, tiny, capsys, mon
 
     monkeypatch.setenv("COLUMNS", "400")
     llm = make_llm(kv_cache_memory=1 << 21, kv_offload_bytes=1 << 22)
-    cache, per_block = llm.engine.cache_config, llm.engine.runner.kv_cache_bytes_per_block(16)
+    cache, per_block = llm.engine.cache_config, llm.engine.worker.runner.kv_cache_bytes_per_block(16)
     assert main(["backends", "--model", str(tiny.path), "--kv-cache-memory", str(1 << 21),
                  "--kv-offload-bytes", str(1 << 22)]) == 0
     out = capsys.readouterr().out

@@ -245,7 +245,7 @@ def test_auto_keeps_int4_weights_in_float32_only_with_an_exact_kernel(tmp_path, 
     elif native.library() is None:
         pytest.skip(f"native kernels: {native.status()}")
     llm = LLM(str(tmp_path), backend="torch", dtype="float32", skip_tokenizer_init=True, max_num_seqs=2)
-    kinds = {h.kind for h in llm.engine.runner._handles.values()}
+    kinds = {h.kind for h in llm.engine.worker.runner._handles.values()}
     assert ("int4_group" in kinds) == native_kernels, kinds
     prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42] * 9}]
     out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -282,11 +282,11 @@ def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatc
         real = getattr(fused.native, name)
         monkeypatch.setattr(fused.native, name, lambda *a, _real=real, _name=name: served.update([_name]) or _real(*a))
     llm, got = generate()
-    assert {c.primitive for c in llm.engine.runner.program.calls} >= {"fused_attention", "fused_mlp"}
+    assert {c.primitive for c in llm.engine.worker.runner.program.calls} >= {"fused_attention", "fused_mlp"}
     assert served["attention_block"] >= 2 * 7 and served["mlp"] >= 2 * 7, served  # 2 layers, 7+ decode steps
     monkeypatch.setattr(TorchBackend, "fuses", lambda self, op, **attrs: Support(False, "off for this test"))
     llm, want = generate()
-    assert not any(c.primitive.startswith("fused_") for c in llm.engine.runner.program.calls)
+    assert not any(c.primitive.startswith("fused_") for c in llm.engine.worker.runner.program.calls)
     assert got == want
 
 

@@ -75,3 +75,24 @@ def test_an_empty_step_needs_no_report():
     empty = sched.schedule()
     assert empty.is_empty and sched.num_in_flight == 0
     assert report(sched, empty).progressed == []
+
+
+def test_a_fork_takes_its_token_from_the_step_its_parent_is_in_and_waits_for_it():
+    """n > 1: the engine forks when it launches the step that completes the prompt. With
+    two steps in flight that step need not be the oldest; the child mirrors its parent in
+    that step (a token from its logits) and, like the parent, is not scheduled before the
+    step comes back."""
+    sched = make_scheduler()
+    sched.add_request(request("a", 3))
+    sched.add_request(request("b", 3))
+    first = sched.schedule(max_num_seqs=1)
+    second = sched.schedule(max_num_seqs=1)
+    assert ids(first) == ["a"] and ids(second) == ["b"]
+    child = sched.fork_request("b", "b1")
+    assert [s.request_id for s in second.forks] == ["b1"] and not first.forks
+    assert sched.schedule().is_empty  # b and its child wait for the second step
+    report(sched, first)
+    result = sched.update_from_output(second, StepOutput.of_tokens({"b": 5, "b1": 7}))
+    assert [p.request.request_id for p in result.progressed] == ["b", "b1"]
+    assert child.output_token_ids == [7] and child.num_computed_tokens == 3
+    assert sorted(ids(sched.schedule())) == ["a", "b", "b1"]

@@ -175,20 +175,22 @@ def test_health_answers_while_a_15_mb_prompt_is_refused(served):
 
 def poison_logits(engine: LLMEngine, monkeypatch, victim=lambda rid: True, after: int = 2) -> None:
     """Set the logits rows of `victim` requests to nan once they have `after` output tokens."""
-    real = LLMEngine._complete
+    real_plan, sampler_type = engine._plan, type(engine.worker.sampler)
+    real_call = sampler_type.__call__
 
-    def complete(self, launched):
-        logits = launched.forward.logits
-        row = 0
-        for i, rid in enumerate(launched.mi.sample_request_ids):
-            rows = 1 if launched.mi.sample_num_rows is None else int(launched.mi.sample_num_rows[i])
-            comp = self._completions.get(rid)
-            if comp is not None and victim(rid.request_id) and comp.request.num_output_tokens >= after:
-                logits[row:row + rows] = float("nan")
-            row += rows
-        return real(self, launched)
+    def plan(out, mi):
+        p = real_plan(out, mi)
+        p.sampling.poison = [i for i, c in enumerate(p.comps)
+                             if victim(c.request.request_id.request_id) and c.request.num_output_tokens >= after]
+        return p
 
-    monkeypatch.setattr(engine, "_complete", complete.__get__(engine))
+    def call(self, logits, s):
+        for i in getattr(s, "poison", ()):
+            logits[i if s.rows is None else int(s.rows[i])] = float("nan")
+        return real_call(self, logits, s)
+
+    monkeypatch.setattr(engine, "_plan", plan)
+    monkeypatch.setattr(sampler_type, "__call__", call)
 
 
 def test_non_finite_logits_end_that_request_with_an_error_and_the_others_run_on(model_dir, monkeypatch):

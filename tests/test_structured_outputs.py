@@ -233,7 +233,7 @@ def test_a_request_waits_for_its_grammar_while_others_decode(llm):
         for _ in range(5):  # the free request runs to its end meanwhile
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         assert set(finished) == {"free", "gone"} and finished["gone"].outputs[0].finish_reason == "abort"
-        assert "slow" in engine._states and not engine.scheduler.requests
+        assert "slow" in engine.output.states and not engine.scheduler.requests
         pending.set_result(real(S(regex="ab|cd")).result())
         while engine.has_unfinished_requests():
             finished.update({o.request_id: o for o in engine.step() if o.finished})

@@ -29,6 +29,12 @@ TESTS = {
                                      "tests/test_speculative.py"],
     "infer/core/structured.py": ["tests/test_structured_outputs.py"],
     "infer/core/outputs.py": ["tests/test_outputs.py", *ENGINE],
+    "infer/core/processor.py": ENGINE + ["tests/test_structured_outputs.py"],
+    "infer/core/executor/sampler.py": ["tests/test_speculative.py", *ENGINE, "tests/test_structured_outputs.py"],
+    "infer/core/executor/worker.py": ENGINE + ["tests/test_kv_sizing.py", "tests/test_decode_graphs.py", "tests/test_lora.py"],
+    "infer/core/executor/executor.py": ENGINE + [f"tests/test_distributed.py::{t}" for t in (
+        "test_tp2_generates_what_one_process_does", "test_pipeline_stages_generate_what_one_process_does",
+        "test_a_dead_worker_fails_the_engine_naming_the_rank")],
     "infer/core/engine.py": ENGINE + ["tests/test_kv_sizing.py", "tests/test_scheduler_pipeline.py",
                                       "tests/test_speculative.py", "tests/test_structured_outputs.py"],
     # Distributed serving: the one-process tests of the sharded graph first, then real gloo ranks.
@@ -36,13 +42,14 @@ TESTS = {
         "test_head_layout_splits_or_replicates_kv_heads", "test_head_layout_pairs_every_query_head_with_its_kv_head",
         "test_shard_graph_param_shapes_and_slices", "test_row_parallel_bias_is_added_once",
         "test_moe_experts_are_split_inside_each_expert", "test_shared_expert_is_reduced_with_the_moe_not_alone",
-        "test_program_reduces_each_block_once_and_gathers_logits", "test_tp2_generates_what_one_process_does")],
+        "test_program_reduces_each_block_once_and_gathers_logits", "test_tp2_generates_what_one_process_does",
+        "test_lora_adapters_on_parallel_ranks_generate_what_one_process_does")],
     "infer/core/distributed.py": [f"tests/test_distributed.py::{t}" for t in (
         "test_parallel_config_defaults_are_the_engine_args_defaults", "test_stage_layers_split_evenly",
         "test_tp2_generates_what_one_process_does",
         "test_pipeline_stages_generate_what_one_process_does", "test_a_dead_worker_fails_the_engine_naming_the_rank",
         "test_torchrun_external_launcher", "test_ranks_that_disagree_fail_at_startup")],
-    "infer/core/worker.py": ["tests/test_distributed.py::test_a_worker_rank_follows_the_drivers_messages_and_stops_on_stop",
+    "infer/core/worker.py": ["tests/test_distributed.py::test_a_worker_rank_runs_the_drivers_calls_and_stops_on_stop",
                              "tests/test_distributed.py::test_headless_is_refused_on_node_0_and_without_mp",
                              "tests/test_distributed.py::test_tp2_generates_what_one_process_does",
                              "tests/test_distributed.py::test_pipeline_stages_generate_what_one_process_does"],
@@ -373,9 +380,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         _NUMPY_RESHAPE,
     ("infer/primitives/types.py", "prepared: Any = field(default=None, repr=False)",
      "prepared: Any = field(default=None, repr=True)"): "repr only (the same line in every weight handle class)",
-    ("infer/core/engine.py",
-     "self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta))",
-     "self._execute(StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 2], np.int64), meta))"):
+    ("infer/core/executor/worker.py",
+     "step = StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta)",
+     "step = StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 2], np.int64), meta)"):
         "the profiling forward samples one row: which one changes no buffer, so not the peak it measures",
     ("infer/core/detokenizer.py", "_CONTEXT_TOKENS = 5", "_CONTEXT_TOKENS = 6"):
         "prompt tokens re-decoded for context: any count from 1 up gives the leading-space rule of BPE and "

@@ -144,7 +144,7 @@ def run_infer(cfg: BenchConfig, work: Workload, kwargs: dict[str, Any]) -> dict[
         num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
         num_accepted_tokens=spec.num_accepted_tokens, acceptance_rate=spec.acceptance_rate,
         mean_accepted_length=spec.mean_accepted_length, accepted_per_position=list(spec.accepted_per_position))
-    runner = engine.runner
+    runner = engine.worker.runner
     costs = model_costs(runner, engine.model_config, cfg.decode_prompt_len + cfg.decode_len / 2, cfg.prefill_len)
     return dict(
         model=costs, workload=_throughput(work, elapsed), tokens=tokens, load_s=load_s, expert_load=expert_load,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from .config import POLICIES, CacheConfig, graph_batch_sizes
 from .distributed import ParallelConfig
+from .quant_params import QUANTIZATIONS
 
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
 # at 1 GiB, so small runs do not reserve gigabytes (--kv-cache-memory raises it).
@@ -91,6 +94,80 @@ class EngineArgs:
         port = self.master_port + self.data_parallel_rank if self.master_port else self.master_port
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size,
                               self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr, port)
+
+    def check(self) -> None:
+        """Reject what the engine would otherwise silently replace (0 read as 'unset'), before loading anything."""
+        if self.enable_lora:
+            if self.max_loras < 1 or self.max_lora_rank < 1 or (self.max_cpu_loras is not None
+                                                                 and self.max_cpu_loras < 1):
+                raise ValueError(f"max_loras ({self.max_loras}), max_lora_rank ({self.max_lora_rank}) and "
+                                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= 1")
+        elif self.lora_modules:
+            raise ValueError("lora_modules needs enable_lora=True (--enable-lora)")
+        for name in ("max_model_len", "block_size", "num_gpu_blocks_override", "kv_cache_memory"):
+            value = getattr(self, name)
+            if name == "block_size" and value == "auto":
+                continue
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, or None for the default"
+                                 f"{' (or auto)' if name == 'block_size' else ''}; got {value!r}")
+        if self.cuda_graph_sizes is not None:
+            graph_batch_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # raises on a bad size
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {self.scheduling_policy!r}")
+
+    def cache_config(self, backend, per_token: int, max_model_len: int,
+                     profile: Callable[[int, int], int]) -> CacheConfig:
+        """The KV pool: block size, and blocks from num_gpu_blocks_override, kv_cache_memory,
+        or (neither given) `kv_budget`; `per_token`: KV bytes of one token on the rank
+        holding the most; `profile(tokens, block_size)`: peak device bytes of a forward."""
+        multiples = (1,)
+        if self.block_size == "auto":
+            sizes = backend.auto_block_sizes
+            block_size, multiples = sizes[0], tuple(s // sizes[0] for s in sizes)
+        else:
+            block_size = self.block_size or backend.preferred_block_size
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        tier = self.kv_offload_bytes // (per_token * block_size)
+        if self.kv_offload_bytes and not tier:
+            raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes} holds no KV block of {block_size} tokens "
+                             f"({per_token * block_size} bytes); raise it or pass 0 for no host tier")
+        common = dict(enable_prefix_caching=self.enable_prefix_caching, num_tier_blocks=tier,
+                      block_multiples=multiples)
+        if self.num_gpu_blocks_override:
+            return CacheConfig(block_size, num_blocks=self.num_gpu_blocks_override, **common).resolve(block_size)
+        kv_bytes = self.kv_cache_memory or self.kv_budget(backend, per_token, block_size, max_model_len, profile)
+        # At least one full context, or the scheduler could never finish a long request.
+        floor = per_token * (max_model_len + block_size)
+        if self.kv_cache_memory and self.kv_cache_memory < floor:
+            logging.getLogger("infer").warning(
+                "kv_cache_memory=%.1f MiB is less than one full context (max_model_len=%d tokens at %d bytes per "
+                "token); the KV cache is %.1f MiB instead. Lower max_model_len for a smaller cache",
+                self.kv_cache_memory / 2**20, max_model_len, per_token, floor / 2**20)
+        return CacheConfig(block_size, kv_cache_memory_bytes=max(kv_bytes, floor), **common).resolve(block_size,
+                                                                                                     per_token)
+
+    def kv_budget(self, backend, per_token: int, block_size: int, max_model_len: int, profile) -> int:
+        """KV pool bytes when the user gave none: on host memory, enough for max_num_seqs
+        full contexts (capped); on an accelerator, what gpu_memory_utilization leaves
+        after profiling one full-budget forward."""
+        mem = backend.memory_info()
+        if mem is None:
+            return min(MAX_DEFAULT_KV_BYTES, per_token * self.max_num_seqs * max_model_len)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        peak = profile(min(self.max_num_batched_tokens or 2048, max_model_len), block_size)
+        budget = int(mem[0] * self.gpu_memory_utilization) - peak
+        if budget < per_token * block_size:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} of {mem[0] / 2**30:.1f} GiB "
+                             "leaves no room for the KV cache after weights and activations "
+                             f"({peak / 2**30:.2f} GiB); raise it")
+        return budget
 
 
 # What must be equal on every rank of a job (the rest is per rank or per node).

@@ -179,8 +179,8 @@ class AsyncLLM:
         """Why this engine cannot serve (it failed, or one of its worker ranks died), or None."""
         if self.dead is not None:
             return f"{type(self.dead).__name__}: {self.dead}"
-        dist = getattr(self.engine, "dist", None)
-        return f"distributed worker {dist.failed}" if dist is not None and dist.failed else None
+        executor = getattr(self.engine, "executor", None)  # test doubles of the engine have none
+        return executor.failure if executor is not None else None
 
     @property
     def num_unfinished(self) -> int:

@@ -8,9 +8,9 @@ Executors (``distributed_executor_backend``):
 
 - ``mp``: the engine is rank 0; it starts the other ranks of this host as
   worker processes (``python -m infer.core.worker``) that build their shard of
-  the model and then follow rank 0: before each step rank 0 broadcasts the
-  step's host inputs (a `StepInput`, pickled by ``broadcast_object_list``),
-  and every rank runs the same forward. With ``nnodes > 1`` each node starts
+  the model and then follow rank 0: rank 0 broadcasts each call of its executor
+  (``(method, args)``, pickled by ``broadcast_object_list``; a step's is its host
+  inputs, a `StepInput`), and every rank runs the same method. With ``nnodes > 1`` each node starts
   its own ranks (``--node-rank``; a ``--headless`` node serves no API).
 - ``external_launcher``: every rank was started by ``torchrun`` (env://
   rendezvous) and runs a whole engine; the schedulers see the same requests
@@ -314,7 +314,7 @@ class DistributedState:
 
         if self.is_driver and self.failed is None:
             try:
-                self.broadcast(("stop",))
+                self.broadcast(("stop", ()))
             except Exception as exc:  # noqa: BLE001 (a dead worker: nothing to tell)
                 log.warning("could not tell the workers to stop: %s", exc)
         deadline = time.monotonic() + timeout

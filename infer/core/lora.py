@@ -23,7 +23,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -159,16 +159,31 @@ def _projections(g: Graph, node) -> list[tuple[str, tuple[int, ...], int]]:
             ("down", (params[node.params["down_proj"]].shape[0],), inter)]
 
 
+def _targets(g: Graph):
+    """The decoder layers' attention and dense MLP nodes (not an MoE's shared expert)."""
+    return [n for n in g.nodes if n.op in ("attention", "mlp") and n.layer is not None
+            and (n.op == "attention" or n.name.endswith(".mlp"))]
+
+
+def lora_targets(g: Graph) -> dict[tuple[int, str], tuple[int, int]]:
+    """(layer, target module) -> (input size, output size) of a whole (unsharded) graph:
+    what an adapter's A [r, in] and B [out, r] must fit."""
+    out = {}
+    for node in _targets(g):
+        for prefix, slices, k in _projections(g, node):
+            for module, (_, fused, i) in TARGETS.items():
+                if fused == prefix:
+                    out[(node.layer, module)] = (k, slices[i])
+    return out
+
+
 def add_lora(g: Graph, max_loras: int, max_rank: int) -> None:
     """Stacked adapter weights (zeros: every slot empty) on each decoder layer's attention
-    and dense MLP node; `lowering` applies them after each projection."""
-    if g.tp_size > 1:
-        raise LoRAError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
-    for node in g.nodes:
-        if node.op not in ("attention", "mlp") or node.layer is None:
-            continue
-        if node.op == "mlp" and not node.name.endswith(".mlp"):
-            continue  # an MoE's shared expert: not a LoRA target
+    and dense MLP node; `lowering` applies them after each projection. On a tensor-parallel
+    rank's graph the stacks take the rank's shapes (`parallel.shard_adapter` cuts adapters
+    to them): a row-parallel projection's adapter output is a partial sum, reduced with the
+    projection's."""
+    for node in _targets(g):
         for prefix, slices, k in _projections(g, node):
             slots, p = max_loras + 1, len(slices)
             a = g.param(f"{node.name}.{prefix}_lora_a", (slots, p * max_rank, k), (), zeros=True)
@@ -200,15 +215,17 @@ class LoRAManager:
     kept up to ``max_cpu_loras``, least recently used out first.
     """
 
-    def __init__(self, runner, graph: Graph, max_loras: int, max_rank: int, max_cpu_loras: int | None = None):
+    def __init__(self, targets: dict[tuple[int, str], tuple[int, int]], num_layers: int, max_loras: int,
+                 max_rank: int, max_cpu_loras: int | None, write: Callable[[int, Adapter], None]):
+        """`targets`: `lora_targets` of the whole model; `write(slot, adapter)` puts an
+        adapter into a device slot on every rank (`Worker.write_lora`)."""
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {max_rank}")
-        self.runner, self.max_loras, self.max_rank = runner, max_loras, max_rank
+        self.targets, self.write, self.max_loras, self.max_rank = targets, write, max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
-        self.num_layers = graph.num_layers
-        self.stacks = lora_stacks(graph)
+        self.num_layers = num_layers
         self.known: dict[str, LoRARequest] = {}  # by name: what new requests may use
         self.users: dict[LoRARequest, int] = {}  # live requests per adapter
         self.host: OrderedDict[LoRARequest, Adapter] = OrderedDict()
@@ -283,14 +300,11 @@ class LoRAManager:
 
     def check(self, adapter: Adapter) -> None:
         """LoRAError unless every projection of the adapter fits the model's."""
-        graph = self.runner.program.graph
         for (layer, module), (a, b) in adapter.weights.items():
-            _, fused, i = TARGETS[module]
-            stack = self.stacks.get((layer, fused))
-            if stack is None:
+            shape = self.targets.get((layer, module))
+            if shape is None:
                 raise LoRAError(f"LoRA adapter {adapter.name!r}: the model has no {module} in layer {layer}")
-            a_name, _, slices = stack
-            k, n = graph.params[a_name].shape[2], slices[i]
+            k, n = shape
             if a.shape[1] != k or b.shape[0] != n:
                 raise LoRAError(f"LoRA adapter {adapter.name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
                                 f"{tuple(b.shape)}, this model needs [r, {k}] and [{n}, r]: an adapter of another "
@@ -310,30 +324,32 @@ class LoRAManager:
                                                             self.num_layers)
                 self.check(adapter)
             self.slots[free] = None  # while its rows are rewritten
-            self._write_slot(free + 1, adapter)
+            self.write(free + 1, adapter)
+            self.loads += 1
             self.slots[free] = request
             out[request] = free + 1
         for slot in out.values():
             self._slot_use.move_to_end(slot - 1)
         return out
 
-    def _write_slot(self, slot: int, adapter: Adapter) -> None:
-        runner, r = self.runner, self.max_rank
-        for (layer, prefix), (a_name, b_name, slices) in self.stacks.items():
-            p = len(slices)
-            k = runner.program.graph.params[a_name].shape[2]
-            a = np.zeros((p * r, k), np.float32)
-            b = np.zeros((sum(slices), r), np.float32)
-            bounds = np.cumsum((0,) + tuple(slices))
-            for module, (_, fused, i) in TARGETS.items():
-                pair = adapter.weights.get((layer, module)) if fused == prefix else None
-                if pair is not None:
-                    pa, pb = pair
-                    a[i * r : i * r + pa.shape[0]] = pa
-                    b[bounds[i] : bounds[i + 1], : pa.shape[0]] = pb
-            runner.assign_slot(a_name, slot, a)
-            runner.assign_slot(b_name, slot, b)
-        self.loads += 1
+
+def write_slot(runner, graph: Graph, slot: int, adapter: Adapter, max_rank: int) -> None:
+    """Write an adapter (cut to this rank's shapes) into `slot` of every stack of a runner's
+    graph; its layers without a stack (another pipeline stage's) are skipped."""
+    for (layer, prefix), (a_name, b_name, slices) in lora_stacks(graph).items():
+        p, r = len(slices), max_rank
+        k = graph.params[a_name].shape[2]
+        a = np.zeros((p * r, k), np.float32)
+        b = np.zeros((sum(slices), r), np.float32)
+        bounds = np.cumsum((0,) + tuple(slices))
+        for module, (_, fused, i) in TARGETS.items():
+            pair = adapter.weights.get((layer, module)) if fused == prefix else None
+            if pair is not None:
+                pa, pb = pair
+                a[i * r : i * r + pa.shape[0]] = pa
+                b[bounds[i] : bounds[i + 1], : pa.shape[0]] = pb
+        runner.assign_slot(a_name, slot, a)
+        runner.assign_slot(b_name, slot, b)
 
 
 def parse_lora_modules(items) -> list[LoRARequest]:

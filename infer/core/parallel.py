@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .graph import Graph, Node, Param
 
 
@@ -161,3 +163,28 @@ def _pieces(p: Param, axis: int, ranges: list[list[tuple[int, int]]]) -> Param:
     shape = list(p.shape)
     shape[axis] = sum(sizes)
     return dataclasses.replace(p, shape=tuple(shape), parts=sizes if p.parts else (), slices=slices)
+
+
+def shard_adapter(adapter, cfg, rank: int, size: int):
+    """Rank `rank`'s cut of a LoRA adapter (`core/lora.py`), matching its projections'
+    shards: a column-parallel projection (q/k/v, gate/up) keeps B's rows of this rank's
+    outputs (A whole), a row-parallel one (o, down) A's columns of this rank's inputs
+    (B whole), so its output is a partial sum like the projection's."""
+    heads = HeadLayout.of(cfg.num_heads, cfg.num_kv_heads, rank, size)
+    d = cfg.head_dim
+    q = np.arange(heads.first_head * d, (heads.first_head + heads.num_heads) * d)
+    kv = np.concatenate([np.arange(k * d, (k + 1) * d) for k in heads.kv_heads])
+    weights = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        if module == "q_proj":
+            b = b[q]
+        elif module in ("k_proj", "v_proj"):
+            b = b[kv]
+        elif module == "o_proj":
+            a = a[:, q]
+        elif module in ("gate_proj", "up_proj"):
+            b = b[slice(*_cut(b.shape[0], rank, size))]
+        elif module == "down_proj":
+            a = a[:, slice(*_cut(a.shape[1], rank, size))]
+        weights[(layer, module)] = (a, b)
+    return dataclasses.replace(adapter, weights=weights)

@@ -108,7 +108,6 @@ class Scheduler:
         # is neither scheduled again nor preempted until its output comes back.
         self._pending: list[SchedulerOutput] = []
         self._busy: set[RequestId] = set()
-        self._step_forks: list[ScheduledRequest] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0  # of the preemptions, those by swapping
 
@@ -155,10 +154,12 @@ class Scheduler:
             return child
         self.block_manager.fork(parent_id, child_id)
         self.running.append(child)
-        for s in self._pending[0].scheduled if self._pending else ():
-            if s.request is parent:
-                mirror = ScheduledRequest(child_id, s.start, s.num_tokens, s.token_ids, s.block_ids, s.do_sample, child)
-                self._step_forks.append(mirror)
+        for output in self._pending:  # the step in flight with the parent: the child takes a token from it too
+            for s in output.scheduled:
+                if s.request is parent:
+                    output.forks.append(ScheduledRequest(child_id, s.start, s.num_tokens, s.token_ids, s.block_ids,
+                                                         s.do_sample, child))
+                    self._busy.add(child_id)
         return child
 
     def abort_request(self, request_id: RequestId) -> bool:
@@ -298,8 +299,6 @@ class Scheduler:
         # Tier copies wait for a step that runs: a block brought back must be filled before any forward reads it.
         tier_ops = bm.pop_tier_ops() if scheduled else []
         output = SchedulerOutput(scheduled, bm.pop_block_copies(), preempted, finished, self.block_size, tier_ops)
-        if not self._pending:
-            self._step_forks = []
         if scheduled:  # an empty step has nothing to come back
             self._pending.append(output)
             self._busy.update(num_new)
@@ -318,7 +317,7 @@ class Scheduler:
             return StepResult([], [])
         if not self._pending or output is not self._pending[0]:
             raise ValueError("update_from_output takes the oldest output schedule() gave and not yet updated, once")
-        entries = output.scheduled + self._step_forks
+        entries = output.scheduled + output.forks
         rows: dict[RequestId, list[int]] = {}
         for i, rid in enumerate(step.request_ids):
             rows.setdefault(rid, []).append(i)
@@ -328,8 +327,7 @@ class Scheduler:
         if missing:
             raise KeyError(f"no sampled token for requests {missing}, which this step samples")
         self._pending.pop(0)
-        self._busy.difference_update(s.request_id for s in output.scheduled)
-        self._step_forks = []
+        self._busy.difference_update(s.request_id for s in entries)
         progressed, finished = [], []
         for s in live:
             req = s.request

@@ -87,6 +87,9 @@ class SchedulerOutput:
     tier_ops               copies between the device pool and the host tier
                            (`kv_tier.TierOp`), in order, performed before the
                            block copies and the forward pass.
+    forks                  requests forked from scheduled ones while the step is
+                           in flight (`Scheduler.fork_request`): each takes a token
+                           from its parent's logits.
     """
 
     scheduled: list[ScheduledRequest]
@@ -95,6 +98,7 @@ class SchedulerOutput:
     finished_request_ids: list[RequestId]
     block_size: int
     tier_ops: list = field(default_factory=list)
+    forks: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -90,12 +90,14 @@ class SpeculativeConfig:
 
 class Proposer:
     """Drafts tokens for requests. `method` is the name it registers under;
-    `extra_keys` the config keys beyond SpeculativeConfig's it reads (from `extra`)."""
+    `extra_keys` the config keys beyond SpeculativeConfig's it reads (from `extra`).
+    It is built with the worker of the rank that samples (`core/executor/worker.py`):
+    its backend, ops, model and KV pool's size, for a proposer that runs a model."""
 
     method = ""
     extra_keys: tuple[str, ...] = ()
 
-    def __init__(self, config: SpeculativeConfig, engine):
+    def __init__(self, config: SpeculativeConfig, worker):
         self.config = config
 
     def propose(self, requests: list, max_drafts: list[int]) -> list[list[int]]:
@@ -304,29 +306,27 @@ class DraftModelProposer(Proposer):
 
     method = "draft_model"
 
-    def __init__(self, config: SpeculativeConfig, engine):
-        super().__init__(config, engine)
+    def __init__(self, config: SpeculativeConfig, worker):
+        super().__init__(config, worker)
         from .block_manager import BlockManager
         from .executor.rank import build_model
 
         if not config.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's path or alias)")
-        if engine.dist is not None:
-            raise ValueError("speculative_config: a draft model does not run with tensor or pipeline parallelism yet")
-        a = engine.args
-        draft_args = dataclasses.replace(a, model=config.model, max_model_len=engine.max_model_len,
-                                         speculative_config=None)
-        parts = build_model(draft_args, engine.backend, engine.ops, None, load_tokenizer=engine.tokenizer is not None)
+        # The whole draft on the sampling rank, also when the target is sharded over several.
+        draft_args = dataclasses.replace(worker.args, model=config.model, max_model_len=worker.max_model_len,
+                                         speculative_config=None, enable_lora=False)
+        target_tokenizer = worker.model.tokenizer
+        parts = build_model(draft_args, worker.backend, worker.ops, None, load_tokenizer=target_tokenizer is not None)
         vocab = parts.graph.config.vocab_size
-        if vocab != engine.vocab_size or not _same_vocabulary(parts.loaded.tokenizer, engine.tokenizer):
+        if vocab != worker.vocab_size or not _same_vocabulary(parts.loaded.tokenizer, target_tokenizer):
             raise ValueError(f"speculative_config: the draft model {config.model!r} has a different tokenizer "
-                             f"(vocabulary of {vocab} against the target's {engine.vocab_size}); a draft must "
+                             f"(vocabulary of {vocab} against the target's {worker.vocab_size}); a draft must "
                              "share the target's tokenizer")
-        cache = engine.cache_config
-        self.runner, self.backend = parts.runner, engine.backend
-        self.runner.allocate_kv_caches(cache.num_blocks, cache.block_size)
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
-        self.block_size = cache.block_size
+        self.runner, self.backend = parts.runner, worker.backend
+        self.runner.allocate_kv_caches(worker.num_blocks, worker.block_size)
+        self.blocks = BlockManager(worker.num_blocks, worker.block_size)
+        self.block_size = worker.block_size
         self._computed: dict = {}  # request id -> tokens whose KV the draft cache holds
 
     def forget(self, request_id) -> None:

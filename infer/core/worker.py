@@ -2,10 +2,10 @@
 
 Started by the driver (`core/distributed.py`) with a JSON spec: the engine
 arguments, its rank and local rank. It joins the process group, builds its
-shard of the model, then follows the driver's messages until told to stop:
-``("kv", num_blocks, block_size)``, ``("release",)``, ``("step", StepInput)``,
-``("stop",)``. A failure is printed with the rank and ends the process with
-code 1, which the driver's monitor reports.
+shard of the model (`executor.worker.Worker`), then runs the driver's calls,
+``(method, args)``, as ``getattr(worker, method)(*args)`` until ``("stop", ())``.
+A failure is printed with the rank and ends the process with code 1, which the
+driver's monitor reports.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import traceback
 
 
 def run(spec: dict) -> None:
-    from ..dispatch import Ops
     from . import distributed
-    from .distributed import ParallelConfig
     from .args import PER_RANK_ARGS, EngineArgs
-    from .executor.rank import build_model, execute_step, rank_backend, rank_path
+    from .distributed import ParallelConfig
+    from .executor.rank import rank_backend
+    from .executor.worker import Worker
 
     args = EngineArgs(**spec["engine_args"])
     args = dataclasses.replace(args, show_progress=False)
@@ -32,23 +32,12 @@ def run(spec: dict) -> None:
     try:
         fields = dataclasses.asdict(args)
         dist.check_agreement({k: v for k, v in fields.items() if k not in PER_RANK_ARGS})
-        parts = build_model(args, backend, Ops(backend), dist, load_tokenizer=False)
-        runner = parts.runner
+        worker = Worker(args, backend, dist)
         while True:
-            message = dist.broadcast(None)
-            kind = message[0]
-            if kind == "step":
-                execute_step(runner, message[1], dist)
-            elif kind == "kv":
-                runner.allocate_kv_caches(message[1], message[2])
-                if message[3]:
-                    runner.allocate_kv_tier(message[3], rank_path(message[4], dist))
-            elif kind == "release":
-                runner.release_kv_caches()
-            elif kind == "stop":
+            method, call_args = dist.broadcast(None)
+            if method == "stop":
                 return
-            else:
-                raise RuntimeError(f"unknown message {kind!r} from the driver")
+            getattr(worker, method)(*call_args)
     finally:
         dist.close()
 

@@ -1,2 +1,3 @@
-"""Per-rank execution: building a rank's model and running its steps (`rank`), and
-starting the ranks of a job (`launch`)."""
+"""Per-rank execution: a rank's model and steps (`rank`, `worker`, `sampler`), the
+executors that run the engine's calls on every rank (`executor`), and starting the
+ranks of a job (`launch`)."""

@@ -16,7 +16,7 @@ from ...registry import get_backend, registry
 from ..args import EngineArgs
 from ..distributed import DistributedState, StepInput
 from ..loader import load_model
-from ..lora import add_lora
+from ..lora import add_lora, lora_targets
 from ..lowering import TP_GROUP, lower
 from ..memory import trim_heap
 from ..model_runner import CARRIED, ModelRunner
@@ -33,6 +33,7 @@ class ModelParts:
     runner: ModelRunner
     dtype: str
     max_model_len: int
+    lora_targets: dict  # `lora.lora_targets` of the whole model; empty without LoRA
 
 
 def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None, load_tokenizer: bool) -> ModelParts:
@@ -45,6 +46,7 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
         raise ValueError(f"dtype {name} is not supported by backend '{backend.name}' "
                          f"(supported: {', '.join(backend.dtypes)})")
     graph = reg.models[m.architecture](m.config)
+    targets = lora_targets(graph) if a.enable_lora else {}
     if dist is not None:
         if dist.config.pipeline_parallel_size > 1:
             graph = graph.stage(*dist.stage_layers(graph.num_layers))
@@ -65,7 +67,7 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     weights.close()
     del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
     trim_heap()
-    return ModelParts(m, graph, program, runner, name, max_model_len)
+    return ModelParts(m, graph, program, runner, name, max_model_len, targets)
 
 
 def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | None = None):
