@@ -65,7 +65,7 @@ def _child(workload: str, config: str) -> dict:
                     preemption_mode=config)
         tier = config == "swap"  # recompute as it was before the tier: no host copy of anything
     probe = LLMEngine(EngineArgs(model="smollm2", show_progress=False, **args))
-    per_block = probe.runner.kv_cache_bytes_per_block(probe.cache_config.block_size)
+    per_block = probe.worker.runner.kv_cache_bytes_per_block(probe.cache_config.block_size)
     del probe
     offload = per_block * 4 * (SYSTEMS * PROMPT // block + 64) if tier else 0
     engine = LLMEngine(EngineArgs(model="smollm2", show_progress=False, kv_offload_bytes=offload, **args))

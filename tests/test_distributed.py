@@ -910,3 +910,55 @@ def test_tp2_swapping_to_the_host_tier_generates_what_one_roomy_process_does(tin
                      max_tokens=16)
     assert_same_generation(one, two)
     assert two["swapped_out"] > 0 and two["swapped_out"] == two["preemptions"] and one["preemptions"] == 0
+
+
+def test_the_driver_ends_the_job_on_a_failed_collective_only():
+    """A collective that fails inside rank 0's step ends the job (`lost`: the group torn
+    down, the reason kept); any other error on rank 0 is the caller's and leaves the ranks
+    running; once a rank is known dead, the next call tears the group down before sending."""
+    from types import SimpleNamespace
+
+    from infer.core.distributed import CollectiveError
+    from infer.core.executor.executor import DriverExecutor
+
+    class Dist:
+        config = SimpleNamespace(pipeline_parallel_size=1)
+        failed = aborted = None
+
+        def __init__(self):
+            self.sent, self.lost_with = [], []
+
+        def broadcast(self, message):
+            self.sent.append(message[0])
+
+        def lost(self, exc):
+            self.lost_with.append(exc)
+            self.aborted = f"rank 0: a collective with the other ranks failed ({exc})"
+            return RuntimeError(self.aborted)
+
+    errors = {"execute_model": ValueError("a bad sampling parameter"), "write_lora": CollectiveError("peer gone")}
+
+    class Worker:
+        def __getattr__(self, method):
+            def call(*args):
+                raise errors[method]
+            return call
+
+    dist = Dist()
+    executor = DriverExecutor(Worker(), dist)
+    with pytest.raises(ValueError, match="bad sampling"):
+        executor.execute_model(None, None)
+    assert dist.sent == ["execute_model"] and not dist.lost_with and executor.failure is None
+    with pytest.raises(RuntimeError, match="collective with the other ranks failed"):
+        executor.collective_rpc("write_lora", 1, None)
+    assert dist.sent == ["execute_model", "write_lora"] and len(dist.lost_with) == 1
+    with pytest.raises(RuntimeError, match="collective"):  # the job is over: nothing more is sent
+        executor.collective_rpc("allocate_kv", 4, 16)
+    assert dist.sent == ["execute_model", "write_lora"] and len(dist.lost_with) == 1
+
+    dist = Dist()
+    dist.failed = "rank 1 (pid 7) exited with code -9"  # the monitor saw it die
+    executor = DriverExecutor(Worker(), dist)
+    with pytest.raises(RuntimeError):
+        executor.collective_rpc("allocate_kv", 4, 16)
+    assert dist.sent == [] and len(dist.lost_with) == 1  # torn down at once, nothing sent to the dead group

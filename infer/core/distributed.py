@@ -90,6 +90,11 @@ class ParallelConfig:
         return self.world_size // self.nnodes
 
 
+class CollectiveError(RuntimeError):
+    """A collective or point-to-point transfer with the other ranks failed (a peer died
+    or timed out): the job cannot go on (`DistributedState.lost`)."""
+
+
 @dataclass(frozen=True)
 class StepInput:
     """What every rank needs to run one step: host arrays only."""

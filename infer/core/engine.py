@@ -74,7 +74,8 @@ class LLMEngine:
     def _init(self, a: EngineArgs) -> None:
         w = self.worker = self.executor.worker  # this process's rank: it samples
         m = w.model
-        self.backend, self.dtype, self.max_model_len, self.vocab_size = w.backend, w.dtype, w.max_model_len, w.vocab_size
+        self.backend, self.dtype, self.vocab_size = w.backend, w.dtype, w.vocab_size
+        self.max_model_len = w.max_model_len
         self.dispatch_trace, self.expert_load = w.dispatch_trace, w.expert_load
         self.model_config, self.tokenizer, self.chat_template = m.config, m.tokenizer, m.chat_template
         self.generation_config = m.generation_config
@@ -280,9 +281,7 @@ class LLMEngine:
         first = 0
         for i, rid in enumerate(mi.sample_request_ids):
             row, first = first, first + (1 if mi.sample_num_rows is None else int(mi.sample_num_rows[i]))
-            comp = self.output.completions.get(rid)
-            if comp is None or comp.request.status.is_finished:
-                continue  # aborted while its step was in flight
+            comp = self.output.completions[rid]
             drafts = drafts_of.get(rid, [])
             if drafts:
                 groups.append((len(comps), len(drafts)))
@@ -328,7 +327,8 @@ class LLMEngine:
                           res.top_token_ids, res.top_logprobs)
         if plan.deferred:
             self._resample_refused(plan, res.kept, step)
-        failed = self.output.fail_non_finite(comps, step.logprobs)
+        failed = self.output.fail_non_finite([plan.comps[i] for i in res.non_finite]) if res.non_finite is not None \
+            else []
         if failed:
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         for (first, k), accepted in zip(plan.sampling.groups, res.accepted):
@@ -343,14 +343,17 @@ class LLMEngine:
     def _resample_refused(self, plan: _Plan, kept: np.ndarray | None, step: StepOutput) -> None:
         """Grammar rows sampled unmasked (`deferrable`): those whose token the grammar
         refuses are sampled again under their masks (only their rows), into `step`."""
-        refused = []  # (sampled row, its row in `step`)
+        refused, checked = [], 0  # refused: (sampled row, its row in `step`)
         for i in sorted(plan.deferred):
             j = i if kept is None else int(np.searchsorted(kept, i))
             c = plan.comps[i]
+            if c.request.is_finished:  # aborted while its step was in flight (a pipeline's)
+                continue
+            checked += 1
             c.mask_next = not c.matcher.allows(int(step.token_ids[j]))
             if c.mask_next:
                 refused.append((i, j))
-        self.grammar_masks_skipped += len(plan.deferred) - len(refused)
+        self.grammar_masks_skipped += checked - len(refused)
         if not refused:
             return
         again = self.worker.resample(np.array([i for i, _ in refused], dtype=np.int64),

@@ -139,11 +139,10 @@ class OutputProcessor:
                 done.append(state)
         return results, done
 
-    def fail_non_finite(self, comps: list[CompletionState], logprobs: np.ndarray) -> list[SeqId]:
-        """The sequences whose logits held nan or inf (their sampled logprob is nan): a
-        token sampled from them would be garbage (token 0); logged, to end with 'error'."""
-        bad = np.flatnonzero(np.isnan(np.asarray(logprobs, dtype=np.float64)))
-        ids = list(dict.fromkeys(comps[i].request.request_id for i in bad))
+    def fail_non_finite(self, comps: list[CompletionState]) -> list[SeqId]:
+        """The live sequences of `comps`, whose logits held nan or inf: a token sampled from
+        them would be garbage (token 0); logged, to end with 'error'."""
+        ids = list(dict.fromkeys(c.request.request_id for c in comps if not c.request.is_finished))
         for rid in ids:
             logging.getLogger("infer").error("request %r: the model's logits hold nan or inf; the request ends with "
                                              "finish_reason 'error'", rid.request_id)

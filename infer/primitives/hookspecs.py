@@ -46,7 +46,9 @@ class InferHookSpec:
     def infer_register_spec_proposers(self) -> dict[str, type]:
         """Return ``{method: Proposer subclass}`` (`infer.core.speculative`): what
         ``--speculative-config '{"method": ...}'`` drafts tokens with. A method
-        already taken is reported, not replaced.
+        already taken is reported, not replaced. A proposer is built as
+        ``cls(config, worker)``: the `Worker` of the rank that samples (its args,
+        backend, ops, model and tokenizer, KV pool size), not the engine.
         """
 
     @hookspec

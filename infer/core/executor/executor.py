@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from ..args import PER_RANK_ARGS, EngineArgs
-from ..distributed import DistributedState, StepInput
+from ..distributed import CollectiveError, DistributedState, StepInput
 from . import launch
 from .rank import rank_backend
 from .sampler import ModelRunnerOutput, SamplingInput
@@ -45,6 +45,7 @@ class Executor:
 
     def collective_rpc(self, method: str, *args: Any) -> Any:
         """``worker.<method>(*args)`` on every rank of the job; this process's rank's result."""
+        self._check()
         return self._local(getattr(self.worker, method), *args)
 
     def execute_model(self, step: StepInput, sampling: SamplingInput, non_block: bool = False):
@@ -52,20 +53,27 @@ class Executor:
         (a `Pending` for `finish` with `non_block` on rank 0 of a pipeline)."""
         if self.dist is None:
             return self.worker.execute_model(step, sampling)
+        self._check()
         return self._local(self.worker.execute_model, step, sampling)
 
     def finish(self, pending: Pending) -> ModelRunnerOutput:
         self._pending.remove(pending)
+        self._check()
         return self._local(self.worker.finish, pending)
 
+    def _check(self) -> None:
+        """Refuse to go on in a failed job; the first to notice a dead rank tears the group down."""
+        d = self.dist
+        if d is not None and self.failure:
+            raise d.lost(RuntimeError(self.failure)) if d.aborted is None else RuntimeError(d.aborted)
+
     def _local(self, fn, *args):
-        if self.failure:
-            raise RuntimeError(self.failure)
+        """fn on this rank; a failed collective inside it ends the job (other errors are the caller's)."""
         if self.dist is None:
             return fn(*args)
         try:
             return fn(*args)
-        except RuntimeError as exc:  # a collective whose peer died or timed out
+        except CollectiveError as exc:
             raise self.dist.lost(exc) from exc
 
     def shutdown(self) -> None:
@@ -89,17 +97,17 @@ class DriverExecutor(Executor):
 
     @property
     def pipelined(self) -> bool:
-        return self.dist.config.pipeline_parallel_size > 1
+        return self.dist is not None and self.dist.config.pipeline_parallel_size > 1
 
     def collective_rpc(self, method: str, *args: Any) -> Any:
         self._send(method, args)
-        return super().collective_rpc(method, *args)
+        return self._local(getattr(self.worker, method), *args)  # the workers run it: no check in between
 
     def execute_model(self, step: StepInput, sampling: SamplingInput, non_block: bool = False):
         self._send("execute_model", (step, None))  # the other ranks do not sample
         try:
             out = self.worker.execute_model(step, sampling)
-        except RuntimeError as exc:  # a collective whose peer died or timed out
+        except CollectiveError as exc:
             raise self.dist.lost(exc) from exc
         if isinstance(out, Pending):
             self._pending.append(out)
@@ -107,8 +115,7 @@ class DriverExecutor(Executor):
         return out
 
     def _send(self, method: str, args: tuple) -> None:
-        if self.failure:
-            raise RuntimeError(self.failure)
+        self._check()
         try:
             self.dist.broadcast((method, args))
         except Exception as exc:

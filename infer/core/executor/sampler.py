@@ -44,6 +44,8 @@ class ModelRunnerOutput:
     kept      with drafts, the sampled rows requests take (each group's accepted
               drafts and the token after them), ascending; None: every row.
     accepted  per group of `SamplingInput.groups`, its accepted drafts.
+    non_finite  the sampled rows (before `kept`) whose logits held nan or inf
+              (their logprob is nan): a token sampled there is garbage.
     """
 
     token_ids: np.ndarray
@@ -53,6 +55,7 @@ class ModelRunnerOutput:
     top_logprobs: np.ndarray | None = None
     kept: np.ndarray | None = None
     accepted: tuple[int, ...] = ()
+    non_finite: np.ndarray | None = None
 
 
 class Sampler:
@@ -72,6 +75,8 @@ class Sampler:
         host = (lambda x: be.to_numpy(x) if x is not None else None)  # noqa: E731
         result = ModelRunnerOutput(host(out.token_ids), host(out.logprobs), host(out.ranks), host(out.top_token_ids),
                                    host(out.top_logprobs))
+        bad = np.flatnonzero(np.isnan(np.asarray(result.logprobs, dtype=np.float64)))
+        result.non_finite = bad if bad.size else None
         return _verified(result, s.groups, host(out.accepted)) if s.groups else result
 
     def resample(self, rows: np.ndarray, tensors: SamplingTensors) -> ModelRunnerOutput:
@@ -96,4 +101,4 @@ def _verified(out: ModelRunnerOutput, groups, accepted: np.ndarray) -> ModelRunn
     idx = np.flatnonzero(keep)
     pick = (lambda x: None if x is None else np.asarray(x)[idx])  # noqa: E731
     return ModelRunnerOutput(pick(out.token_ids), pick(out.logprobs), pick(out.ranks), pick(out.top_token_ids),
-                             pick(out.top_logprobs), idx, tuple(counts))
+                             pick(out.top_logprobs), idx, tuple(counts), out.non_finite)

@@ -21,7 +21,7 @@ import numpy as np
 from ...dispatch import DispatchTrace, Ops
 from ...primitives.types import AttentionMetadata, expand_block_table
 from ..args import EngineArgs
-from ..distributed import DistributedState, StepInput
+from ..distributed import CollectiveError, DistributedState, StepInput
 from ..expert_load import ExpertLoad
 from ..lora import Adapter, write_slot
 from ..parallel import max_kv_heads, shard_adapter
@@ -29,7 +29,7 @@ from .rank import build_model, execute_step, move_blocks, rank_path
 from .sampler import ModelRunnerOutput, Sampler, SamplingInput
 
 
-@dataclass
+@dataclass(eq=False)
 class Pending:
     """A step rank 0 of a pipeline started: its logits come from the last stage (`Worker.finish`)."""
 
@@ -82,12 +82,13 @@ class Worker:
         be, blocks = self.backend, -(-n // block_size)
         be.reset_peak_memory()
         self.allocate_kv(blocks, block_size)
-        meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
-                                 np.arange(blocks, dtype=np.int32)[None], np.arange(n, dtype=np.int64), n, n, block_size)
+        table = np.arange(blocks, dtype=np.int32)[None]
+        meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32), table,
+                                 np.arange(n, dtype=np.int64), n, n, block_size)
         step = StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta)
-        out = execute_step(self.runner, step, self.dist)
+        out = self._step(step)
         if out.logits is None and self.dist is not None and self.dist.is_driver:
-            self.dist.recv_logits(be, (1, self.vocab_size))
+            self._recv_logits((1, self.vocab_size))
         be.synchronize()
         self.release_kv()
         return be.memory_info()[1]
@@ -123,12 +124,12 @@ class Worker:
         write_slot(self.runner, self.graph, slot, adapter, self.args.max_lora_rank)
 
     # -- steps ------------------------------------------------------------------------------
-    def execute_model(self, step: StepInput, sampling: SamplingInput | None = None) -> ModelRunnerOutput | Pending | None:
+    def execute_model(self, step: StepInput, sampling: SamplingInput | None = None):
         """One step's forward on this rank, sampled when `sampling` is given (the rank that
         samples). Rank 0 of an mp pipeline gets its logits later: a `Pending` for `finish`."""
         forward = self._replay(step) if self.decode_graphs is not None else None
         if forward is None:
-            forward = execute_step(self.runner, step, self.dist)
+            forward = execute_step(self.runner, step) if self.dist is None else self._step(step)
         if sampling is None:
             return None
         if self.expert_load is not None:
@@ -139,10 +140,25 @@ class Worker:
 
     def finish(self, pending: Pending) -> ModelRunnerOutput:
         """Sample a started step of a pipeline once its logits arrive from the last stage."""
-        return self.sampler(self.dist.recv_logits(self.backend, pending.shape), pending.sampling)
+        return self.sampler(self._recv_logits(pending.shape), pending.sampling)
 
     def resample(self, rows: np.ndarray, tensors) -> ModelRunnerOutput:
         return self.sampler.resample(rows, tensors)
+
+    def _step(self, step: StepInput):
+        """The step's forward with the other ranks: a failed collective is a `CollectiveError`."""
+        if self.dist is None:
+            return execute_step(self.runner, step)
+        try:
+            return execute_step(self.runner, step, self.dist)
+        except RuntimeError as exc:  # a collective whose peer died or timed out
+            raise CollectiveError(str(exc)) from exc
+
+    def _recv_logits(self, shape: tuple[int, int]):
+        try:
+            return self.dist.recv_logits(self.backend, shape)
+        except RuntimeError as exc:
+            raise CollectiveError(str(exc)) from exc
 
     def _replay(self, step: StepInput):
         """The step's forward by a captured decode graph, or None when none fits it."""
