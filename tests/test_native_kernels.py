@@ -515,3 +515,70 @@ def test_int8_gemv_gives_each_row_what_it_gives_that_row_alone(dtype):
     alone = torch.cat([nops.int8_gemv(x[i:i + 1], q, scales, group) for i in range(x.shape[0])])
     for rows in range(2, x.shape[0] + 1):
         assert torch.equal(nops.int8_gemv(x[:rows], q, scales, group), alone[:rows]), rows
+
+
+def _bf16_served() -> bool:
+    """The bf16 GEMV runs where the host has AVX512-BF16; elsewhere it must decline."""
+    if native.bf16_dot():
+        return True
+    assert nops.bf16_gemv(torch.ones(1, 64, dtype=torch.bfloat16), torch.ones(8, 64, dtype=torch.bfloat16)) is None
+    return False
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("k", [576, 100, 96])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bf16_gemv_is_the_float64_product_rounded_once_to_bf16(monkeypatch, rows, k, threads):
+    """Products of bf16 pairs summed in float32: the float64 product rounded once to bf16,
+    give or take float32 rounding of the sum. K = 100 and 96 take the tail steps (a 32-lane
+    step after the 64-lane ones, masked past the end)."""
+    if not _bf16_served():
+        pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
+    g = torch.Generator().manual_seed(rows * k)
+    n = 4 * 37 + 3  # not a multiple of the 4-row blocks of a thread's part
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k + 8, generator=g).to(torch.bfloat16)[:, 8:]  # rows of a wider buffer
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    got = nops.bf16_gemv(x, w)
+    want = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-6 * scale).all()
+
+
+def test_bf16_gemv_gives_each_row_what_it_gives_that_row_alone_on_any_thread_count(monkeypatch):
+    if not _bf16_served():
+        pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(7, 576, generator=g).to(torch.bfloat16)
+    results = []
+    for threads in (1, 2, 5):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        together = nops.bf16_gemv(x, w)
+        assert torch.equal(together, torch.cat([nops.bf16_gemv(x[i:i + 1], w) for i in range(7)]))
+        results.append(together)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_bf16_gemv_declines_what_it_does_not_read_and_serves_the_dense_linear():
+    from infer.backends.torch_native import fast_paths
+    from infer.primitives.types import DenseWeight
+
+    if not _bf16_served():
+        pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
+    w, x = torch.ones(16, 64, dtype=torch.bfloat16), torch.ones(2, 64, dtype=torch.bfloat16)
+    assert nops.bf16_gemv(x, w) is not None
+    assert nops.bf16_gemv(torch.ones(nops.BF16_GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), w) is None
+    assert nops.bf16_gemv(x.float(), w) is None and nops.bf16_gemv(x, w.float()) is None
+    assert nops.bf16_gemv(x, w.t().contiguous().t()) is None  # a weight stored K-major
+    assert nops.bf16_gemv(x[:, :32], w) is None
+    # The backend's linear: a dense bf16 weight at decode sizes is served here, bias added after.
+    bias = torch.arange(16, dtype=torch.bfloat16)
+    backend = TorchBackend()
+    assert backend.fast_path("linear", weight_kind="dense", dtype="bfloat16") is not None
+    assert backend.fast_path("linear", weight_kind="dense", dtype="float32") is None
+    got = fast_paths.linear(x, DenseWeight(w, bias))
+    assert torch.equal(got, nops.bf16_gemv(x, w) + bias)
+    assert fast_paths.linear(torch.ones(nops.BF16_GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
+                             DenseWeight(w)) is NotImplemented

@@ -255,11 +255,13 @@ def test_auto_keeps_int4_weights_in_float32_only_with_an_exact_kernel(tmp_path, 
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in want]
 
 
-@pytest.mark.parametrize("dtype,seqs", [("float32", 2), ("bfloat16", 1), ("bfloat16", 2)])
-def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatch, dtype, seqs):
-    """The torch backend's native attention block and MLP (int4 weights, decode-sized steps)
-    run the kernels the nodes' primitives run, in the same order: the same tokens and the
-    same log-probabilities, bit for bit, as with the nodes expanded."""
+@pytest.mark.parametrize("method,dtype,seqs", [("awq", "float32", 2), ("awq", "bfloat16", 1), ("awq", "bfloat16", 2),
+                                               ("dense", "bfloat16", 1), ("dense", "bfloat16", 2)])
+def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatch, method, dtype, seqs):
+    """The torch backend's native attention block and MLP (int4 weights, or dense bf16 ones
+    on a CPU with AVX512-BF16; decode-sized steps) run the kernels the nodes' primitives
+    run, in the same order: the same tokens and the same log-probabilities, bit for bit, as
+    with the nodes expanded."""
     from collections import Counter
 
     from infer import LLM, SamplingParams
@@ -268,7 +270,12 @@ def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatc
 
     if native.library() is None:
         pytest.skip(f"native kernels: {native.status()}")
-    write_checkpoint(tmp_path, "awq")
+    if method == "dense" and not native.bf16_dot():
+        pytest.skip("no AVX512-BF16: dense bf16 layers run their primitives")
+    if method == "dense":
+        make_model("llama3")[0].save_pretrained(tmp_path)
+    else:
+        write_checkpoint(tmp_path, method)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42] * 9}]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
 

@@ -48,7 +48,8 @@ class TorchBackend(TorchTensors):
 
     def fast_path(self, primitive: str, **kw: Any) -> FastPath | None:
         # The native C kernels on CPU (fast_paths.py); each declines what it has no kernel for.
-        if primitive == "linear" and kw.get("weight_kind") not in fast_paths.QUANTIZED_LINEAR_KINDS:
+        if primitive == "linear" and kw.get("weight_kind") not in fast_paths.QUANTIZED_LINEAR_KINDS and not (
+                kw.get("weight_kind") == "dense" and kw.get("dtype") == "bfloat16" and native.bf16_dot()):
             return None
         return fast_paths.NATIVE.get(primitive) if self._native_kernels() else None
 

@@ -9,7 +9,7 @@ cap ...): the torch implementation then runs. The kernels themselves are in
 from __future__ import annotations
 
 from ...primitives.backend import FastPath
-from ...primitives.types import Int8GroupWeight
+from ...primitives.types import DenseWeight, Int8GroupWeight
 from . import fp8_kv
 from .attention import LazyPlan
 from .native import ops as native
@@ -47,8 +47,14 @@ def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_s
 
 
 def linear(x, weight):
-    """The int4 GEMM (up to its row limit) and the Q8_0 GEMV; bias added after, as the torch paths do."""
+    """The int4 GEMM (up to its row limit), the Q8_0 GEMV and the bf16 dense GEMV; bias added
+    after, as the torch paths do."""
     t, p = x.shape[0], weight.prepared
+    if isinstance(weight, DenseWeight) and 0 < t <= native.BF16_GEMV_MAX_ROWS:
+        y = native.bf16_gemv(x, weight.weight)
+        if y is not None:
+            return y if weight.bias is None else y + weight.bias.to(x.dtype)
+        return NotImplemented
     if isinstance(p, Int4Prepared) and p.native is not None and t > 0 and native_int4_takes(x, weight):
         y = native.int4_gemm_prepared(x, p.native)
         if y is not None:

@@ -2,7 +2,8 @@
 
 A decode step of SmolLM2 runs ~15 primitives and views per layer, each a
 Python call of a few microseconds around a kernel of a few more; for int4
-weights (the GGUF/AWQ/GPTQ kinds kept quantized) the native library runs the
+weights (the GGUF/AWQ/GPTQ kinds kept quantized), and for dense bf16 weights
+with bf16 activations on a CPU with AVX512-BF16, the native library runs the
 attention block (qkv GEMV, rotary, kv_write, attention, o GEMV) and the MLP
 (gate_up GEMV, SiLU-and-mul, down GEMV) whole, through the same kernels and
 roundings as the primitives. Anything else (prefill-sized batches, other weight
@@ -13,17 +14,27 @@ runner runs the node's primitives instead.
 from __future__ import annotations
 
 from ...primitives.context import LayerContext
-from ...primitives.types import AttentionMetadata, Int4GroupWeight
+from ...primitives.types import AttentionMetadata, DenseWeight, Int4GroupWeight
 from .attention import LazyPlan
 from .native import ops as native
 from .quant_linear import Int4Prepared, native_int4_takes
 
 
-def _int4(handle) -> native.Int4Native | None:
-    """The native GEMV's view of an int4 weight without bias, or None."""
+def _gemv(handle):
+    """The native GEMV's view of an int4 or dense bf16 weight without bias, or None."""
     if isinstance(handle, Int4GroupWeight) and handle.bias is None and isinstance(handle.prepared, Int4Prepared):
         return handle.prepared.native
+    if isinstance(handle, DenseWeight) and handle.bias is None:
+        return native.dense_prepare(handle.weight)
     return None
+
+
+def _takes(x, packed, *weights) -> bool:
+    """This step's rows go to the packed layer: the int4 kernels' measured limits (in
+    float32 fewer where dense copies can take the batch), the dense bf16 GEMV's."""
+    if isinstance(packed.keep[0], native.DenseNative):
+        return x.shape[0] <= packed.max_rows
+    return native_int4_takes(x, *weights)
 
 
 # Key under which a fused call keeps, in the `params` dict the runner gives it, its layer's
@@ -46,7 +57,7 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
         return NotImplemented
 
     def build():
-        qkv, o = _int4(params.get("qkv_proj")), _int4(params.get("o_proj"))
+        qkv, o = _gemv(params.get("qkv_proj")), _gemv(params.get("o_proj"))
         if qkv is None or o is None or "q_norm" in params or attrs["soft_cap"] is not None \
                 or ctx.kv_cache_dtype == "fp8":
             return None
@@ -55,7 +66,7 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
                                             ctx.kv_cache, heads, attrs["scale"], attrs["sliding_window"])
 
     packed = _layer_memo(params, build, ctx.kv_cache)
-    if packed is False or not native_int4_takes(x, params["qkv_proj"], params["o_proj"]):
+    if packed is False or not _takes(x, packed, params["qkv_proj"], params["o_proj"]):
         return NotImplemented
     if plan.native is None:  # the step's side, packed by the first layer
         plan.native = native.attention_block_step(meta) or False
@@ -68,13 +79,13 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
 
 def mlp(x, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
     def build():
-        gate_up, down = _int4(params.get("gate_up_proj")), _int4(params.get("down_proj"))
+        gate_up, down = _gemv(params.get("gate_up_proj")), _gemv(params.get("down_proj"))
         if gate_up is None or down is None or attrs["act"] != "silu":
             return None
-        return native.mlp_layer(gate_up, down)
+        return native.mlp_layer(gate_up, down, x.dtype)
 
     packed = _layer_memo(params, build)
-    if packed is False or not native_int4_takes(x, params["gate_up_proj"], params["down_proj"]):
+    if packed is False or not _takes(x, packed, params["gate_up_proj"], params["down_proj"]):
         return NotImplemented
     out = native.mlp(x, packed)
     return NotImplemented if out is None else out

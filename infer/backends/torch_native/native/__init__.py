@@ -143,6 +143,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.infer_kv_write.restype = ctypes.c_int
     lib.infer_token_bitmask.argtypes, lib.infer_token_bitmask.restype = (_P, _I, _P, _I, _P, _I, _I), ctypes.c_int
     lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
+    lib.infer_bf16_dot.argtypes, lib.infer_bf16_dot.restype = (), ctypes.c_int
+    lib.infer_bf16_gemv.argtypes, lib.infer_bf16_gemv.restype = (_P, _I, _I, _I, _P, _P, _I, _I), ctypes.c_int
     lib.infer_openmp.argtypes, lib.infer_openmp.restype = (), ctypes.c_int
     threads = "torch's OpenMP threads" if lib.infer_openmp() else "own thread pool"
     return lib, f"built ({path}; {threads})"
@@ -153,6 +155,13 @@ def openmp() -> bool:
     """Whether the kernels split their work over torch's own OpenMP threads."""
     lib = library()
     return lib is not None and bool(lib.infer_openmp())
+
+
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether the kernels were built with AVX512-BF16 (the host has it): the bf16 GEMV runs."""
+    lib = library()
+    return lib is not None and bool(lib.infer_bf16_dot())
 
 
 def library() -> ctypes.CDLL | None:

@@ -1362,13 +1362,120 @@ DEF_ATTENTION(fp8_bf16, uint16_t, bf16_load, bf16_store, uint8_t, KLD_FP8_BF16)
 DEF_KV_WRITE_FP8(f32, float, f32_load)
 DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
 
+/* ---- bfloat16 dense GEMV: a few rows of x against a [n, k] bf16 weight ----------------------
+ * y[t, r] = bf16(sum_i x[t, i] * w[r, i]), the products of bf16 pairs summed in float32 by
+ * AVX512-BF16's dot instruction (vdpbf16ps, 32 pairs per instruction, denormal inputs read
+ * as zero), 32 lanes at a time, the lanes added at the end: the sum in another order than
+ * oneDNN's, the same float32 accumulation, one rounding to bf16. Each weight row is read
+ * once per 8 rows of x; output rows are cut into `threads` parts. Without AVX512-BF16 it
+ * returns -3 and the caller keeps torch's GEMM. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define BF16_DOT 1
+#ifndef BF16_PREFETCH_ROWS
+#define BF16_PREFETCH_ROWS 4
+#endif
+typedef struct {
+    const uint16_t *x;
+    int64_t xs, rows, k;
+    const uint16_t *w;
+    int64_t n;
+    uint16_t *y;
+} bf16_job;
+
+/* One weight row against rows t..t+R of x, the row read front to back once (a sequential
+ * stream the hardware prefetcher follows); two accumulators per x row halve the chain of
+ * dependent dot products. */
+static inline __attribute__((always_inline)) void bf16_row(const bf16_job *j, int64_t r, int64_t t, const int R) {
+    __m512 acc[2][8];
+    for (int h = 0; h < 2; h++)
+        for (int m = 0; m < R; m++) acc[h][m] = _mm512_setzero_ps();
+    const uint16_t *wr = j->w + r * j->k;
+    int64_t i = 0;
+    for (; i + 64 <= j->k; i += 64) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i), w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);
+        if (BF16_PREFETCH_ROWS && r + BF16_PREFETCH_ROWS < j->n) {
+            _mm_prefetch((const char *)(wr + BF16_PREFETCH_ROWS * j->k + i), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + BF16_PREFETCH_ROWS * j->k + i + 32), _MM_HINT_T0);
+        }
+        for (int m = 0; m < R; m++) {
+            const uint16_t *xr = j->x + (t + m) * j->xs + i;
+            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_loadu_si512(xr), w0);
+            acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)_mm512_loadu_si512(xr + 32), w1);
+        }
+    }
+    for (; i < j->k; i += 32) {
+        __mmask32 mask = j->k - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (j->k - i)) - 1);
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + i);
+        for (int m = 0; m < R; m++)
+            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_maskz_loadu_epi16(mask, j->x + (t + m) * j->xs + i),
+                                         w0);
+    }
+    for (int m = 0; m < R; m++)
+        j->y[(t + m) * j->n + r] = bf16_store(_mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])));
+}
+
+#define BF16_ROWS(R)                                                                                        \
+    do {                                                                                                    \
+        for (int64_t r = lo; r < hi; r++) bf16_row(j, r, t, R);                                             \
+    } while (0)
+
+static void bf16_task(const void *args, int64_t part, int64_t parts) {
+    const bf16_job *j = (const bf16_job *)args;
+    int64_t lo = j->n * part / parts, hi = j->n * (part + 1) / parts, t = 0;
+    for (; t + 8 <= j->rows; t += 8) BF16_ROWS(8);
+    switch (j->rows - t) {
+    case 7: BF16_ROWS(7); break;
+    case 6: BF16_ROWS(6); break;
+    case 5: BF16_ROWS(5); break;
+    case 4: BF16_ROWS(4); break;
+    case 3: BF16_ROWS(3); break;
+    case 2: BF16_ROWS(2); break;
+    case 1: BF16_ROWS(1); break;
+    default: break;
+    }
+}
+#else
+#define BF16_DOT 0
+#endif
+
+int infer_bf16_dot(void) { return BF16_DOT; }
+
+int infer_bf16_gemv(const uint16_t *x, int64_t xs, int64_t rows, int64_t k, const uint16_t *w, uint16_t *y,
+                    int64_t n, int64_t threads) {
+#if BF16_DOT
+    bf16_job job = {x, xs, rows, k, w, n, y};
+    int64_t parts = threads < 1 ? 1 : threads;
+    if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;
+    pool_run(bf16_task, &job, parts);
+    return 0;
+#else
+    (void)x, (void)xs, (void)rows, (void)k, (void)w, (void)y, (void)n, (void)threads;
+    return -3;
+#endif
+}
+
+/* A fused layer's projection: an int4 weight (as infer_int4_gemm), or with bf16 activations
+ * a dense bf16 [n, k] weight, passed as `q` with no scales (s NULL). */
+static int layer_gemm_f32(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16, const float *x,
+                          int64_t xs, int64_t rows, int64_t k, float *y, int64_t n, int64_t threads) {
+    return s ? infer_int4_gemm_f32(q, s, o, group, f16, x, xs, rows, k, y, n, threads) : -3;
+}
+
+static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16,
+                           const uint16_t *x, int64_t xs, int64_t rows, int64_t k, uint16_t *y, int64_t n,
+                           int64_t threads) {
+    if (!s) return infer_bf16_gemv(x, xs, rows, k, (const uint16_t *)q, y, n, threads);
+    return infer_int4_gemm_bf16(q, s, o, group, f16, x, xs, rows, k, y, n, threads);
+}
+
 /* ---- a decode step's attention block and MLP, one call each ---------------------------
  * What the runner does with the primitives of these nodes, through the kernels above and
  * with the same roundings, minus a Python call (and a few tensor views) between each two:
  *   attention block: qkv = x @ Wqkv (int4) -> rotary(q, k) -> kv_write(k, v) -> attention(q)
  *                    -> out = o @ Wo (int4);
  *   MLP:             out = silu_and_mul(x @ Wgate_up) @ Wdown (int4 both).
- * An int4 weight is (q, scales, offsets, group, half) as in infer_int4_gemm.
+ * An int4 weight is (q, scales, offsets, group, half) as in infer_int4_gemm; with bf16
+ * activations a weight may also be dense bf16 (its pointer as q, scales NULL: layer_gemm).
  */
 #define DEF_FUSED(SUF, T)                                                                                   \
     int infer_attention_block_##SUF(const T *x, int64_t rows, int64_t hidden, const uint8_t *wq,           \
@@ -1384,7 +1491,7 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
         T *qkv = (T *)malloc(sizeof(T) * rows * (nqkv + nqk + hq * d));                                     \
         if (!qkv) return -2;                                                                                \
         T *rotated = qkv + rows * nqkv, *att = rotated + rows * nqk;                                        \
-        int rc = infer_int4_gemm_##SUF(wq, sq, oq, gq, fq, x, hidden, rows, hidden, qkv, nqkv, threads);     \
+        int rc = layer_gemm_##SUF(wq, sq, oq, gq, fq, x, hidden, rows, hidden, qkv, nqkv, threads);     \
         if (rc == 0)                                                                                        \
             rc = infer_rotary_##SUF(qkv, nqkv, d, hq, qkv + hq * d, nqkv, d, hk, positions, cos_sin, npos,  \
                                     rot, neox, rotated, rows, d);                                           \
@@ -1395,7 +1502,7 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
             rc = infer_attention_##SUF(rotated, nqk, d, rows, hq, cache, nblocks, bs, hk, d, block_table,   \
                                        bt_stride, bt_width, qsl, seq_lens, nseq, scale, window, att, 1.0f,   \
                                        1.0f, threads);                                                      \
-        if (rc == 0) rc = infer_int4_gemm_##SUF(wo, so, oo, go, fo, att, hq * d, rows, hq * d, out, hidden, threads); \
+        if (rc == 0) rc = layer_gemm_##SUF(wo, so, oo, go, fo, att, hq * d, rows, hq * d, out, hidden, threads); \
         free(qkv);                                                                                          \
         return rc;                                                                                          \
     }                                                                                                       \
@@ -1405,9 +1512,9 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
         T *gate_up = (T *)malloc(sizeof(T) * rows * 3 * inter);                                             \
         if (!gate_up) return -2;                                                                            \
         T *act = gate_up + rows * 2 * inter;                                                                \
-        int rc = infer_int4_gemm_##SUF(wg, sg, og, gg, fg, x, hidden, rows, hidden, gate_up, 2 * inter, threads); \
+        int rc = layer_gemm_##SUF(wg, sg, og, gg, fg, x, hidden, rows, hidden, gate_up, 2 * inter, threads); \
         if (rc == 0) rc = infer_silu_and_mul_##SUF(gate_up, 2 * inter, act, rows, inter);                   \
-        if (rc == 0) rc = infer_int4_gemm_##SUF(wd, sd, od, gd, fd, act, inter, rows, inter, out, hidden, threads); \
+        if (rc == 0) rc = layer_gemm_##SUF(wd, sd, od, gd, fd, act, inter, rows, inter, out, hidden, threads); \
         free(gate_up);                                                                                      \
         return rc;                                                                                          \
     }

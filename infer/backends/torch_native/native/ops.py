@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import library, openmp
+from . import bf16_dot, library, openmp
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -229,6 +229,26 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
     return y
 
 
+# bf16 rows up to which the AVX512-BF16 GEMV beats torch's bf16 GEMM (oneDNN) on a dense weight;
+# set by measurement (docs/backends/torch-measurements.md).
+BF16_GEMV_MAX_ROWS = 8
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor):
+    """bfloat16 ``x @ weight.T`` for a few rows of x (AVX512-BF16 dot products, float32 sums);
+    None when the kernel does not apply (no AVX512-BF16, other dtypes or layouts, more rows)."""
+    lib = _lib(x, weight)
+    if (lib is None or x.dtype != torch.bfloat16 or not bf16_dot() or x.dim() != 2 or x.stride(1) != 1
+            or not 0 < x.shape[0] <= BF16_GEMV_MAX_ROWS or weight.dim() != 2 or not weight.is_contiguous()
+            or weight.shape[1] != x.shape[1]):
+        return None
+    rows, (n, k) = x.shape[0], weight.shape
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    _check(lib.infer_bf16_gemv(x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), y.data_ptr(), n,
+                               torch.get_num_threads()), "bf16 linear")
+    return y
+
+
 INT4_GEMM_MAX_ROWS = 32
 # bf16 rows up to which the native GEMV beats torch's packed int4 kernel (it unpacks each weight
 # once per two rows; on SmolLM2's shapes the two were even at T=2, torch's ahead from T=4).
@@ -246,6 +266,46 @@ class Int4Native:
     scales: torch.Tensor  # float32, or its float16 copy
     offsets: torch.Tensor
     args: tuple[int, int, int, int, int]  # qweight, scales, offsets pointers, group size, float16 (0/1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out features, in features)."""
+        return self.qweight.shape[0], 2 * self.qweight.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class DenseNative:
+    """A dense bf16 weight [N, K] for the fused attention block and MLP (bf16 activations):
+    its pointer where an int4 weight's go, no scales (kernels.c, layer_gemm)."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def args(self) -> tuple[int, int, int, int, int]:
+        return (self.weight.data_ptr(), 0, 0, 0, 0)
+
+
+def dense_prepare(weight: torch.Tensor) -> DenseNative | None:
+    """A dense weight the fused bf16 layers read, or None (no AVX512-BF16, not bf16, strided)."""
+    if (not bf16_dot() or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_cpu
+            or not weight.is_contiguous()):
+        return None
+    return DenseNative(weight)
+
+
+def _max_rows(dtype: torch.dtype, *weights) -> int:
+    """Rows of x a fused layer serves: each projection's kernel's limit, SiLU's too."""
+    if all(isinstance(w, DenseNative) for w in weights):
+        limit = BF16_GEMV_MAX_ROWS if dtype == torch.bfloat16 else 0
+    elif all(isinstance(w, Int4Native) for w in weights):
+        limit = INT4_GEMM_MAX_ROWS if dtype == torch.float32 else INT4_BF16_MAX_ROWS
+    else:
+        limit = 0  # one layer's projections of two kinds: not packed
+    return min(limit, SILU_MAX_ROWS)
 
 
 def _half_copy(t: torch.Tensor) -> torch.Tensor | None:
@@ -297,12 +357,6 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
 
 
 # -- a decode step's attention block and MLP in one call each (int4 weights) -----------------
-def _int4_rows(x: torch.Tensor) -> bool:
-    """Rows the int4 GEMV serves: float32 up to INT4_GEMM_MAX_ROWS, bfloat16 up to INT4_BF16_MAX_ROWS."""
-    limit = INT4_GEMM_MAX_ROWS if x.dtype == torch.float32 else INT4_BF16_MAX_ROWS
-    return x.dim() == 2 and x.is_contiguous() and 0 < x.shape[0] <= min(limit, SILU_MAX_ROWS)
-
-
 @dataclass(frozen=True, slots=True)
 class Packed:
     """Arguments checked once and packed for the native attention block or MLP (a layer's
@@ -313,13 +367,15 @@ class Packed:
     dtype: torch.dtype | None = None  # the activations' (layers)
     hidden: int = 0
     scale: float = 0.0
+    max_rows: int = 0  # rows of x its kernels serve (layers)
 
 
 def _pack(values, keep, **kw) -> Packed:
     return Packed(tuple(keep), torch.tensor(values, dtype=torch.int64), **kw)
 
 
-def attention_block_layer(qkv: Int4Native, o: Int4Native, cos_sin: torch.Tensor, neox_style: bool,
+def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNative, cos_sin: torch.Tensor,
+                          neox_style: bool,
                           kv_cache: torch.Tensor, heads: tuple[int, int, int], scale: float, window: int | None):
     """A layer's side of `attention_block`, checked and packed, or None when the kernels cannot
     serve it. `heads` is (query heads, KV heads, head_dim)."""
@@ -329,8 +385,8 @@ def attention_block_layer(qkv: Int4Native, o: Int4Native, cos_sin: torch.Tensor,
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_cpu or not kv_cache.is_contiguous() \
             or kv_cache.shape[-2:] != (hk, d):
         return None
-    hidden = o.qweight.shape[0]
-    if qkv.qweight.shape != ((hq + 2 * hk) * d, hidden // 2) or o.qweight.shape != (hidden, hq * d // 2):
+    hidden, max_rows = o.shape[0], _max_rows(kv_cache.dtype, qkv, o)
+    if qkv.shape != ((hq + 2 * hk) * d, hidden) or o.shape != (hidden, hq * d) or not max_rows:
         return None
     rot = cos_sin.shape[1]
     if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or rot > d or rot % 2:
@@ -338,7 +394,8 @@ def attention_block_layer(qkv: Int4Native, o: Int4Native, cos_sin: torch.Tensor,
     _, nblocks, bs = kv_cache.shape[:3]
     values = (*qkv.args, *o.args, cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(),
               nblocks, bs, hq, hk, d, hidden, window or 0)
-    return _pack(values, (qkv, o, cos_sin, kv_cache), dtype=kv_cache.dtype, hidden=hidden, scale=scale)
+    return _pack(values, (qkv, o, cos_sin, kv_cache), dtype=kv_cache.dtype, hidden=hidden, scale=scale,
+                 max_rows=max_rows)
 
 
 def attention_block_step(meta):
@@ -359,7 +416,7 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, ste
     """The attention node (qkv projection, rotary, kv_write, attention, o projection) for the
     rows of x; None when the kernels do not apply."""
     lib = _lib(x)
-    if lib is None or x.dtype != layer.dtype or not _int4_rows(x) or x.shape[1] != layer.hidden \
+    if lib is None or x.dtype != layer.dtype or not _layer_rows(x, layer) or x.shape[1] != layer.hidden \
             or work > MAX_ATTENTION_WORK:
         return None
     rows = x.shape[0]
@@ -376,20 +433,25 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, ste
     return out
 
 
-def mlp_layer(gate_up: Int4Native, down: Int4Native):
-    """A layer's side of `mlp`, checked and packed, or None."""
+def mlp_layer(gate_up: Int4Native | DenseNative, down: Int4Native | DenseNative, dtype: torch.dtype):
+    """A layer's side of `mlp` for activations of `dtype`, checked and packed, or None."""
     if library() is None:
         return None
-    hidden, inter = down.qweight.shape[0], down.qweight.shape[1] * 2
-    if gate_up.qweight.shape != (2 * inter, hidden // 2):
+    (hidden, inter), max_rows = down.shape, _max_rows(dtype, gate_up, down)
+    if gate_up.shape != (2 * inter, hidden) or not max_rows:
         return None
-    return _pack((*gate_up.args, *down.args, hidden, inter), (gate_up, down), hidden=hidden)
+    return _pack((*gate_up.args, *down.args, hidden, inter), (gate_up, down), dtype=dtype, hidden=hidden,
+                 max_rows=max_rows)
+
+
+def _layer_rows(x: torch.Tensor, layer: Packed) -> bool:
+    return x.dim() == 2 and x.is_contiguous() and 0 < x.shape[0] <= layer.max_rows
 
 
 def mlp(x: torch.Tensor, layer: Packed):
     """The SwiGLU MLP node for the rows of x; None when the kernels do not apply."""
     lib = _lib(x)
-    if lib is None or not _int4_rows(x) or x.shape[1] != layer.hidden:
+    if lib is None or x.dtype != layer.dtype or not _layer_rows(x, layer) or x.shape[1] != layer.hidden:
         return None
     out = torch.empty((x.shape[0], layer.hidden), dtype=x.dtype)
     rc = _fn(lib, "mlp_packed", x.dtype)(x.data_ptr(), x.shape[0], layer.array.data_ptr(), out.data_ptr(),
