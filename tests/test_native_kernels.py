@@ -582,3 +582,20 @@ def test_bf16_gemv_declines_what_it_does_not_read_and_serves_the_dense_linear():
     assert torch.equal(got, nops.bf16_gemv(x, w) + bias)
     assert fast_paths.linear(torch.ones(nops.BF16_GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16),
                              DenseWeight(w)) is NotImplemented
+
+
+def test_auto_dtype_serves_a_bf16_checkpoint_in_bf16_where_the_cpu_has_bf16_dot_products(tmp_path):
+    """``dtype="auto"``: the torch backend serves a bfloat16 checkpoint in bfloat16 where the
+    native bf16 GEMV runs (else float32, what the loader gives); cpu_ref always float32; a
+    float32 checkpoint stays float32."""
+    from tiny_models import make_model
+
+    from infer import LLM
+
+    model = make_model("llama3")[0]
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model.to(torch.float32).save_pretrained(tmp_path / "f32")
+    want = "bfloat16" if native.bf16_dot() else "float32"
+    assert LLM(str(tmp_path / "bf16"), backend="torch", skip_tokenizer_init=True).engine.dtype == want
+    assert LLM(str(tmp_path / "bf16"), backend="cpu_ref", skip_tokenizer_init=True).engine.dtype == "float32"
+    assert LLM(str(tmp_path / "f32"), backend="torch", skip_tokenizer_init=True).engine.dtype == "float32"

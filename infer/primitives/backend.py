@@ -125,6 +125,12 @@ class Backend(ABC):
             return Support(False, f"backend '{self.name}' keeps KV caches as {self.kv_cache_dtypes}, not {cache}")
         return Support(True)
 
+    def auto_dtype(self, stored: str | None, loaded: str) -> str:
+        """What ``dtype="auto"`` serves: `loaded` (the dtype the loader returns the weights
+        in; bfloat16 checkpoints come back as float32, NumPy having no bfloat16) unless the
+        backend serves the checkpoint's `stored` dtype faster."""
+        return loaded
+
     def keeps_quantized(self, dtype: str) -> bool:
         """Whether ``quantization="auto"`` keeps a checkpoint's quantized weights for activations in `dtype`.
 

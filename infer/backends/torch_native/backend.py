@@ -53,6 +53,14 @@ class TorchBackend(TorchTensors):
             return None
         return fast_paths.NATIVE.get(primitive) if self._native_kernels() else None
 
+    def auto_dtype(self, stored: str | None, loaded: str) -> str:
+        # A bf16 checkpoint on a CPU with AVX512-BF16: the native bf16 GEMV and fused layers
+        # decode it ~2.6x faster than float32, and oneDNN's bf16 GEMM runs batches faster too
+        # (docs/backends/torch-measurements.md).
+        if stored == "bfloat16" and loaded == "float32" and self._native_kernels() and native.bf16_dot():
+            return "bfloat16"
+        return loaded
+
     def keeps_quantized(self, dtype: str) -> bool:
         # float32 on CPU: the native GEMVs are exact to float32 rounding and read a
         # quarter of the bytes (docs/quantization.md has the measured decode speeds).

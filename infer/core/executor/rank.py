@@ -6,6 +6,7 @@ step models through these functions."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,13 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     graph, lower it for `backend`, and load this rank's weights into a runner."""
     reg = registry()
     m = load_model(a.model, load_weights=False, load_tokenizer=load_tokenizer, supported_architectures=reg.models)
-    name = str(m.dtype) if a.dtype == "auto" else a.dtype
+    name = a.dtype
+    if a.dtype == "auto":
+        stored = m.config.get("dtype") or m.config.get("torch_dtype")
+        name = backend.auto_dtype(str(stored).removeprefix("torch.") if stored else None, str(m.dtype))
+        if name != str(m.dtype):
+            logging.getLogger("infer").info("dtype auto: serving the checkpoint's %s on backend '%s' (it runs it "
+                                            "faster than %s)", name, backend.name, m.dtype)
     if name not in backend.dtypes:
         raise ValueError(f"dtype {name} is not supported by backend '{backend.name}' "
                          f"(supported: {', '.join(backend.dtypes)})")
