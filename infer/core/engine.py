@@ -138,9 +138,6 @@ class LLMEngine:
             pass
 
     # -- requests ---------------------------------------------------------------
-    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        return self.input.tokenize(prompt)
-
     def add_request(self, request_id: str, prompt: str | dict, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None) -> None:

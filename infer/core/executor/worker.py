@@ -21,7 +21,7 @@ import numpy as np
 from ...dispatch import DispatchTrace, Ops
 from ...primitives.types import AttentionMetadata, expand_block_table
 from ..args import EngineArgs
-from ..distributed import CollectiveError, DistributedState, StepInput
+from ..distributed import CollectiveError, DistributedState, StepInput, stage_layers
 from ..expert_load import ExpertLoad
 from ..lora import Adapter, write_slot
 from ..parallel import max_kv_heads, shard_adapter
@@ -59,8 +59,6 @@ class Worker:
         d = self.dist
         if d is None:
             return per_token
-        from ..distributed import stage_layers
-
         cfg, c = self.runner.config, d.config
         most = max_kv_heads(cfg.num_heads, cfg.num_kv_heads, c.tensor_parallel_size)
         layers = max(b - a for a, b in (stage_layers(cfg.num_layers, s, c.pipeline_parallel_size)
