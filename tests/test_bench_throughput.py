@@ -65,6 +65,7 @@ def test_quick_shrinks_the_run_and_explicit_options_win():
     cfg = config_from_args(parse("--quick", "--output-len", "5"))
     assert (cfg.num_prompts, cfg.output_len, cfg.repeats) == (4, 5, 1)
     assert config_from_args(parse()).num_prompts == 32
+    assert config_from_args(parse()).dtype == "float32" and config_from_args(parse("--dtype", "auto")).dtype == "auto"
 
 
 def test_bad_lengths_are_refused_with_the_option_names(capsys):
@@ -86,7 +87,12 @@ def check_report(r: dict, num_prompts: int, output_len: int) -> None:
         assert 0 < mem["baseline_rss"] <= mem["peak_rss"] and mem["loaded_rss"] <= mem["peak_rss"]
     assert mach["bandwidth_gbs"] > 0 and mach["matmul_gflops"] > 0
     assert math.isclose(mach["decode_limit_tok_s"], mach["bandwidth_gbs"] * 1e9 / r["model"]["decode_bytes_per_token"])
-    assert math.isclose(mach["prefill_limit_tok_s"], mach["matmul_gflops"] * 1e9 / r["model"]["prefill_flops_per_token"])
+    peak = mach["gemm"][mach["dtype"]]["peak_gflops"]
+    assert peak >= mach["gemm"][mach["dtype"]]["model_256_rows_gflops"] > 0 and mach["gemm_peak_gflops"] == peak
+    assert math.isclose(mach["prefill_limit_tok_s"], peak * 1e9 / r["model"]["prefill_flops_per_token"])
+    roof = mach["workload_roofline"]
+    assert math.isclose(roof["seconds"], roof["prefill_s"] + roof["decode_s"]) and roof["decode_s"] > 0
+    assert math.isclose(ratios["workload_of_roofline"], inf["workload"]["output_tok_s"] / roof["output_tok_s"])
     # the ratios are the measured numbers divided, not separate measurements
     assert math.isclose(ratios["workload_vs_hf_batch"], inf["workload"]["output_tok_s"] / hf["batch"]["output_tok_s"])
     assert math.isclose(ratios["decode_vs_hf"], inf["decode"]["decode_tok_s"] / hf["decode"]["decode_tok_s"])
@@ -95,7 +101,7 @@ def check_report(r: dict, num_prompts: int, output_len: int) -> None:
                         inf["memory"]["peak_rss"] / (inf["memory"]["weights_bytes"] + inf["memory"]["kv_pool_bytes"]))
     for t in r["targets"].values():
         assert t["met"] == (t["value"] <= t["target"] if t["op"] == "<=" else t["value"] >= t["target"])
-    assert len(r["targets"]) == 4
+    assert len(r["targets"]) == 5
     assert 0 <= ratios["greedy_agreement"]["first_token"] <= 1
 
 
@@ -117,7 +123,7 @@ def test_quick_run_on_a_tiny_model_writes_json_and_png(tiny_llama, tmp_path, cap
     args = parse("--quick", "--model", str(tiny_llama), "--json", str(out), "--png", str(png))
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    for text in ("output tok/s", "decode tok/s", "prefill tok/s", "load average", "targets"):
+    for text in ("output tok/s", "decode tok/s", "prefill tok/s", "load average", "targets", "roofline", "GEMM peak"):
         assert text in printed
     check_report(json.loads(out.read_text()), num_prompts=4, output_len=8)
     assert png.read_bytes().startswith(PNG_MAGIC)
@@ -138,3 +144,19 @@ def test_script_quick_run_on_smollm2(tmp_path):
     # on ~0; a tiny random model's top-2 logits are too close to ask this of it)
     assert r["ratios"]["greedy_agreement"]["first_token"] >= 0.75
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_workload_roofline_is_prefill_at_the_gemm_peak_then_steps_bound_by_flops_or_bytes():
+    from infer.bench.workload import workload_roofline
+
+    costs = dict(body_params=1e6, head_params=2e5, attn_flops_per_query_key=100.0, weights_read_bytes=2.4e6,
+                 kv_bytes_per_token=10.0)
+    prompts = [10, 30]
+    prefill = (2e6 * 40 + 2 * 2e5 * 2 + 100 * (55 + 465)) / 1e9  # 1 GFLOP/s
+    roof = workload_roofline(costs, prompts, 3, gemm_gflops=1.0, bandwidth_gbs=1e-3)  # 1 MB/s: bytes bound
+    assert math.isclose(roof["prefill_s"], prefill)
+    steps = [(2.4e6 + 10 * (40 + 2 * i)) / 1e6 for i in (1, 2)]
+    assert math.isclose(roof["decode_s"], sum(steps)) and math.isclose(roof["output_tok_s"], 6 / (prefill + sum(steps)))
+    fast_memory = workload_roofline(costs, prompts, 3, gemm_gflops=1.0, bandwidth_gbs=1e6)  # FLOPs bound
+    flops = [2 * 2 * 1.2e6 + 100 * (40 + 2 * i) for i in (1, 2)]
+    assert math.isclose(fast_memory["decode_s"], sum(flops) / 1e9)

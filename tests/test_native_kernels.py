@@ -525,7 +525,7 @@ def _bf16_served() -> bool:
     return False
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 64])  # x rows in blocks of 6 at most: 9 = 5 + 4, 32 = 6+6+5+5+5+5
 @pytest.mark.parametrize("k", [576, 100, 96])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_bf16_gemv_is_the_float64_product_rounded_once_to_bf16(monkeypatch, rows, k, threads):
@@ -550,13 +550,14 @@ def test_bf16_gemv_gives_each_row_what_it_gives_that_row_alone_on_any_thread_cou
     if not _bf16_served():
         pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(300, 576, generator=g).to(torch.bfloat16)
-    x = torch.randn(7, 576, generator=g).to(torch.bfloat16)
+    w = torch.randn(302, 576, generator=g).to(torch.bfloat16)  # 302: two rows past the last block of four
+    x = torch.randn(33, 576, generator=g).to(torch.bfloat16)
     results = []
     for threads in (1, 2, 5):
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         together = nops.bf16_gemv(x, w)
-        assert torch.equal(together, torch.cat([nops.bf16_gemv(x[i:i + 1], w) for i in range(7)]))
+        assert torch.equal(together, torch.cat([nops.bf16_gemv(x[i:i + 1], w) for i in range(33)]))
+        assert torch.equal(together[:7], nops.bf16_gemv(x[:7], w))
         results.append(together)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
@@ -599,3 +600,51 @@ def test_auto_dtype_serves_a_bf16_checkpoint_in_bf16_where_the_cpu_has_bf16_dot_
     assert LLM(str(tmp_path / "bf16"), backend="torch", skip_tokenizer_init=True).engine.dtype == want
     assert LLM(str(tmp_path / "bf16"), backend="cpu_ref", skip_tokenizer_init=True).engine.dtype == "float32"
     assert LLM(str(tmp_path / "f32"), backend="torch", skip_tokenizer_init=True).engine.dtype == "float32"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hk", [1, 2])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("batch", [*BATCHES, "long_decode"])
+def test_bf16_attention_dot_product_path_matches_the_generic_loop_and_float64(batch, window, hk, d):
+    """bf16 q and cache with head size 64/128: q . k as AVX512-BF16 dot products, four keys'
+    lanes summed together, P @ V over widened V rows. Within a bf16 rounding of float64
+    attention and no further from it than the generic loop; long contexts span several
+    64-key units (merged after), key counts not a multiple of four."""
+    if not native.bf16_dot():
+        pytest.skip("no AVX512-BF16 on this host: the generic loop serves bf16 (tested above)")
+    q_lens, seq_lens = ([1, 1, 1], [150, 131, 64]) if batch == "long_decode" else BATCHES[batch]
+    q, cache, meta, dense = paged_batch(q_lens, seq_lens, hk, d, 16, dtype=torch.bfloat16)
+    meta = OPS.prepare_metadata(meta)
+    lib = native.library()
+    fast = nops.attention(q, cache, meta, 0.125, window, work=1, kv_scales=(1.0, 1.0))
+    was = lib.infer_attention_bf16_fast(0)
+    try:
+        generic = nops.attention(q, cache, meta, 0.125, window, work=1, kv_scales=(1.0, 1.0))
+    finally:
+        lib.infer_attention_bf16_fast(was)
+    assert was == 1 and fast is not None and generic is not None
+    exact = dense_attention(q, dense, q_lens, 0.125, window)
+    err = (fast.double() - exact).abs().max()
+    assert err <= 2**-8 * exact.abs().max()
+    assert err <= (generic.double() - exact).abs().max() + 2**-9
+    assert not torch.equal(fast, torch.zeros_like(fast))
+
+
+def test_bf16_attention_serves_much_work_in_small_requests_and_leaves_long_prompts_to_sdpa(monkeypatch):
+    """The bf16 dot-product path has no limit on a step's total work, only on one request's
+    query rows x keys (it re-reads keys per query row; SDPA tiles a long prompt better)."""
+    if not native.bf16_dot():
+        pytest.skip("no AVX512-BF16 on this host: the work limit alone applies (tested above)")
+    q, cache, meta, dense = paged_batch([7, 12, 1], [7, 12, 30], 1, 64, 16, dtype=torch.bfloat16)
+    meta = OPS.prepare_metadata(meta)
+    assert meta.plan.request_keys == 144 and meta.plan.row_keys == 49 + 144 + 30
+    big = nops.MAX_ATTENTION_WORK + 1
+    served = nops.attention(q, cache, meta, 0.125, None, big, (1.0, 1.0), meta.plan.request_keys)
+    assert served is not None
+    exact = dense_attention(q, dense, [7, 12, 1], 0.125)
+    assert (served.double() - exact).abs().max() <= 2**-8 * exact.abs().max()
+    monkeypatch.setattr(nops, "BF16_ATTENTION_MAX_REQUEST_KEYS", 143)
+    assert nops.attention(q, cache, meta, 0.125, None, big, (1.0, 1.0), meta.plan.request_keys) is None
+    assert nops.attention(q, cache, meta, 0.125, None, big, (1.0, 1.0)) is None  # unknown: the work limit
+    assert nops.attention(q.float(), cache.float(), meta, 0.125, None, big, (1.0, 1.0), 1) is None  # float32

@@ -2,7 +2,8 @@
 
 Both runtimes get the same token ids. Single-stream decode and prefill are set
 beside the limits measured on the machine: decode <= memory bandwidth / bytes
-of weights read per token, prefill <= fp32 matmul peak / FLOPs per prompt token.
+of weights read per token, prefill <= the GEMM peak in the served dtype / FLOPs
+per prompt token; the workload beside its roofline (`workload_roofline`).
 `benchmarks/throughput.py` is a script over the same functions.
 """
 
@@ -32,6 +33,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of prompt lengths and token ids")
     p.add_argument("--repeats", type=int, help=f"decode and prefill: best of this many (default {d.repeats})")
     p.add_argument("--threads", type=int, help="torch threads in every process (default: torch's own)")
+    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16", "auto"),
+                   help=f"infer's --dtype; the transformers peer runs in the dtype infer resolves (default {d.dtype}: "
+                        "the peer's arithmetic, so greedy tokens compare)")
     p.add_argument("--skip-transformers", action="store_true", help="run infer only")
     p.add_argument("--speculative-config", metavar="JSON", help="infer's speculative decoding (as `infer run`); "
                                                                   "the report adds its acceptance")
@@ -42,7 +46,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg = BenchConfig(model=args.model, backend=args.backend, seed=args.seed, skip_transformers=args.skip_transformers,
-                      threads=args.threads, speculative_config=getattr(args, "speculative_config", None))
+                      threads=args.threads, speculative_config=getattr(args, "speculative_config", None),
+                      dtype=getattr(args, "dtype", None) or BenchConfig.dtype)
     if args.quick:
         cfg = replace(cfg, **QUICK)
     given = {k: getattr(args, k) for k in ("num_prompts", "output_len", "min_len", "max_len", "repeats")}

@@ -41,13 +41,30 @@ def measure_bandwidth(mib: int, repeats: int = 5, allocations: int = 2) -> dict[
     return best
 
 
-def measure_peak(n: int, repeats: int = 3) -> dict[str, float]:
+def measure_peak(n: int, repeats: int = 3, dtype: str = "float32") -> dict[str, float]:
+    """GFLOP/s of an n^3 matmul: torch's, and NumPy's in float32."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    an, bn = a.numpy(), b.numpy()
-    return {f"torch {n}^3": 2 * n**3 / _best(lambda: a @ b, repeats) / GB,
-            f"numpy {n}^3": 2 * n**3 / _best(lambda: an @ bn, repeats) / GB}
+    a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
+    peak = {f"torch {n}^3": 2 * n**3 / _best(lambda: a @ b, repeats) / GB}
+    if dtype == "float32":
+        an, bn = a.numpy(), b.numpy()
+        peak[f"numpy {n}^3"] = 2 * n**3 / _best(lambda: an @ bn, repeats) / GB
+    return peak
+
+
+def measure_linear(shapes: list[tuple[int, int]], rows: int, dtype: str, repeats: int = 3) -> float:
+    """GFLOP/s of torch's ``F.linear`` over a model's weight shapes [(out, in)] at `rows` rows:
+    the FLOPs of all of them over the sum of each one's best time."""
+    import torch
+    import torch.nn.functional as F
+
+    dt, flops, seconds = getattr(torch, dtype), 0.0, 0.0
+    for out_f, in_f in shapes:
+        w, x = torch.randn(out_f, in_f).to(dt), torch.randn(rows, in_f).to(dt)
+        seconds += _best(lambda: F.linear(x, w), repeats)
+        flops += 2 * rows * out_f * in_f
+    return flops / seconds / GB
 
 
 def blas_info() -> dict:

@@ -19,6 +19,9 @@ def format_report(r: dict) -> str:
         f"machine: memory bandwidth {mach['bandwidth_gbs']:.1f} GB/s (copy {mach['bandwidth_copy_gbs']:.1f}, "
         f"read {mach['bandwidth_read_gbs']:.1f}), fp32 matmul {mach['matmul_gflops']:.1f} GFLOP/s, "
         f"{mach['torch_threads']} torch threads, {mach['cpu_count']} CPUs",
+        *(f"  {dt} GEMM peak {g['peak_gflops']:.1f} GFLOP/s (best of {cfg['gemm_n']}^3: {g['square_gflops']:.1f} and the "
+          f"model's linears at 256 rows: {g['model_256_rows_gflops']:.1f}; at {g['model_batch_rows']} rows "
+          f"{g['model_batch_gflops']:.1f})" for dt, g in mach.get("gemm", {}).items()),
         f"engine: {r['engine_args']}",
         f"workload: {w['num_prompts']} prompts, {w['prompt_tokens']} prompt tokens ({cfg['min_len']}-{cfg['max_len']} each, "
         f"seed {cfg['seed']}), {w['output_tokens']} output tokens ({cfg['output_len']} each, greedy, ignore_eos)",
@@ -35,6 +38,12 @@ def format_report(r: dict) -> str:
         lines.append(f"{name:34}{t['output_tok_s']:14.1f}{t['total_tok_s']:14.1f}{t['elapsed_s']:11.2f}")
 
     row("infer", inf["workload"])
+    roof = mach.get("workload_roofline")
+    if roof:
+        lines.append(f"{'roofline (' + mach['dtype'] + ')':34}{roof['output_tok_s']:14.1f}{'':14}{roof['seconds']:11.2f}"
+                     f"   infer at {inf['workload']['output_tok_s'] / roof['output_tok_s']:.0%}")
+        lines.append(f"  (prefill {roof['prefill_s']:.2f} s: its FLOPs at the {mach['dtype']} GEMM peak; decode "
+                     f"{roof['decode_s']:.2f} s: each step's FLOPs at that peak or its weights + KV at the bandwidth)")
     if hf:
         row(f"transformers batch {HF_BATCH} (left pad)", hf["batch"])
         row("transformers one at a time", hf["single"])

@@ -162,8 +162,8 @@ def run_infer(cfg: BenchConfig, work: Workload, kwargs: dict[str, Any]) -> dict[
 
 
 # -- transformers -------------------------------------------------------------------
-def build_transformers_peer(model: str):
-    """A transformers CausalLM with exactly the weights infer loads (same dtype), and the config."""
+def build_transformers_peer(model: str, dtype: str = "float32"):
+    """A transformers CausalLM with exactly the weights infer loads, in `dtype`, and the config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -185,7 +185,7 @@ def build_transformers_peer(model: str):
     if set(missing) - allowed or unexpected:
         raise RuntimeError(f"transformers peer: missing {missing}, unexpected {unexpected}")
     peer.tie_weights()
-    return peer.eval(), m.config
+    return peer.to(getattr(torch, dtype)).eval(), m.config
 
 
 class _Clock:
@@ -201,14 +201,14 @@ class _Clock:
         pass
 
 
-def run_transformers(cfg: BenchConfig, work: Workload) -> dict[str, Any]:
+def run_transformers(cfg: BenchConfig, work: Workload, dtype: str = "float32") -> dict[str, Any]:
     import torch
     from transformers import GenerationConfig
 
     set_threads(cfg)
     baseline = _baseline_rss()
     t = time.perf_counter()
-    peer, config = build_transformers_peer(cfg.model)
+    peer, config = build_transformers_peer(cfg.model, dtype)
     load_s = time.perf_counter() - t
     loaded, load_peak = _rss_now(), _rss_peak()
     pad = config.get("pad_token_id")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing import get_context
 from typing import Any
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from .runners import run_infer, run_transformers
 from .machine import GB
-from .workload import BenchConfig, engine_kwargs, machine_limits, make_workload
+from .workload import BenchConfig, engine_kwargs, machine_limits, make_workload, workload_roofline
 
 
 def _in_child(fn, *args):
@@ -43,18 +43,26 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict[str, Any]:
     kv_per_token = 2 * m.config["num_hidden_layers"] * m.config["num_key_value_heads"] * m.config["head_dim"] * m.dtype.itemsize
     kwargs = engine_kwargs(cfg, work, get_backend(cfg.backend).preferred_block_size, kv_per_token)
     log(f"engine args: {kwargs}")
-    limits = machine_limits(cfg)
-    log(f"machine: {limits['bandwidth_gbs']:.1f} GB/s, {limits['matmul_gflops']:.1f} GFLOP/s fp32, "
-        f"{limits['torch_threads']} torch threads")
+    limits = machine_limits(cfg, m.config, batch_rows=min(len(work.prompts), kwargs["max_num_seqs"]))
+    gemm_text = ", ".join(f"{dt} GEMM {g['peak_gflops']:.1f}" for dt, g in limits["gemm"].items())
+    log(f"machine: {limits['bandwidth_gbs']:.1f} GB/s, {limits['matmul_gflops']:.1f} GFLOP/s fp32 matmul, "
+        f"{gemm_text} GFLOP/s, {limits['torch_threads']} torch threads")
     log("running infer ...")
     inf = _in_child(run_infer, cfg, work, kwargs)
+    dtype = inf["engine"]["dtype"]
     hf = None
     if not cfg.skip_transformers:
-        log("running transformers ...")
-        hf = _in_child(run_transformers, cfg, work)
+        log(f"running transformers ({dtype}) ...")
+        hf = _in_child(run_transformers, cfg, work, dtype)
     costs = inf.pop("model")
-    limits |= dict(decode_limit_tok_s=limits["bandwidth_gbs"] * GB / costs["decode_bytes_per_token"],
-                   prefill_limit_tok_s=limits["matmul_gflops"] * GB / costs["prefill_flops_per_token"])
+    if dtype not in limits["gemm"]:  # a dtype the probe did not expect (--dtype auto resolving elsewhere)
+        limits["gemm"] |= machine_limits(replace(cfg, dtype=dtype), m.config, limits["gemm"]["float32"]["model_batch_rows"])["gemm"]
+    peak = limits["gemm"][dtype]["peak_gflops"]
+    limits |= dict(dtype=dtype, gemm_peak_gflops=peak,
+                   decode_limit_tok_s=limits["bandwidth_gbs"] * GB / costs["decode_bytes_per_token"],
+                   prefill_limit_tok_s=peak * GB / costs["prefill_flops_per_token"],
+                   workload_roofline=workload_roofline(costs, [len(p) for p in work.prompts], work.output_len, peak,
+                                                       limits["bandwidth_gbs"]))
     report = dict(config=asdict(cfg), engine_args=kwargs | {"resolved": inf.pop("engine")}, machine=limits,
                   model=costs, workload=dict(num_prompts=len(work.prompts), prompt_tokens=sum(map(len, work.prompts)),
                                               output_tokens=len(work.prompts) * work.output_len),
@@ -71,9 +79,11 @@ def _ratios(r: dict) -> tuple[dict, dict]:
     sized = mem["weights_bytes"] + mem["kv_pool_bytes"]
     ratios = dict(decode_of_limit=inf["decode"]["decode_tok_s"] / mach["decode_limit_tok_s"],
                   prefill_of_limit=inf["prefill"]["prefill_tok_s"] / mach["prefill_limit_tok_s"],
+                  workload_of_roofline=inf["workload"]["output_tok_s"] / mach["workload_roofline"]["output_tok_s"],
                   peak_rss_over_weights_kv=mem["peak_rss"] / sized,
                   peak_rss_above_baseline_over_weights_kv=(mem["peak_rss"] - mem["baseline_rss"]) / sized)
-    targets = {"peak RSS / (weights + KV pool)": (ratios["peak_rss_over_weights_kv"], 1.3, "<=")}
+    targets = {"peak RSS / (weights + KV pool)": (ratios["peak_rss_over_weights_kv"], 1.3, "<="),
+               "workload / its roofline": (ratios["workload_of_roofline"], 0.4, ">=")}
     if hf is not None:
         ratios |= dict(
             workload_vs_hf_batch=inf["workload"]["output_tok_s"] / hf["batch"]["output_tok_s"],

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .machine import measure_bandwidth, measure_peak
+from .machine import measure_bandwidth, measure_linear, measure_peak
 
 
 @dataclass
@@ -28,6 +28,7 @@ class BenchConfig:
     threads: int | None = None  # torch intra-op threads in every process; None: torch's default
     limits_mib: int = 512  # array size of the bandwidth probe
     gemm_n: int = 2048
+    dtype: str = "float32"  # infer's --dtype; float32 does the transformers peer's arithmetic
     speculative_config: str | None = None  # infer's --speculative-config (JSON)
 
 
@@ -71,9 +72,9 @@ def engine_kwargs(cfg: BenchConfig, work: Workload, block_size: int, kv_bytes_pe
     max_model_len = max(cfg.max_len + cfg.output_len, cfg.prefill_len + 1, cfg.decode_prompt_len + cfg.decode_len)
     blocks = sum(-(-(len(p) + work.output_len) // block_size) for p in work.prompts)
     kv_tokens = max(blocks, -(-max_model_len // block_size) + 1) * block_size
-    # float32 with the checkpoint dequantized: the same arithmetic as the transformers peer,
-    # so the two runs' greedy tokens can be compared (benchmarks/quant.py times quantized runs).
-    return dict(model=cfg.model, backend=cfg.backend, dtype="float32", quantization="none",
+    # float32 (the default) with the checkpoint dequantized: the same arithmetic as the transformers
+    # peer, so the two runs' greedy tokens can be compared (benchmarks/quant.py times quantized runs).
+    return dict(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, quantization="none",
                 max_num_seqs=max(32, cfg.num_prompts),
                 max_num_batched_tokens=max(2048, cfg.prefill_len), max_model_len=max_model_len,
                 kv_cache_memory=kv_tokens * kv_bytes_per_token, show_progress=False,
@@ -88,15 +89,34 @@ def set_threads(cfg: BenchConfig) -> None:
 
 
 # -- what the machine allows -----------------------------------------------------
-def machine_limits(cfg: BenchConfig) -> dict[str, float]:
-    """Memory bandwidth (GB/s) and fp32 matmul peak (GFLOP/s), best of several kernels."""
+def linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's projections, as the runner fuses them (qkv, o, gate_up, down)."""
+    h, hd = config["hidden_size"], config["head_dim"]
+    hq, hk = config["num_attention_heads"], config["num_key_value_heads"]
+    inter = config.get("intermediate_size") or config.get("moe_intermediate_size")
+    return [((hq + 2 * hk) * hd, h), (h, hq * hd), (2 * inter, h), (h, inter)]
+
+
+def machine_limits(cfg: BenchConfig, config: dict | None = None, batch_rows: int = 32) -> dict[str, Any]:
+    """Memory bandwidth (GB/s), the fp32 matmul peak (GFLOP/s), and per dtype the GEMM peak: the
+    best of an n^3 matmul and the model's linears at 256 rows (and their rate at `batch_rows`)."""
     import torch
 
     set_threads(cfg)
     bw = measure_bandwidth(cfg.limits_mib, repeats=5, allocations=1)
     peak = measure_peak(cfg.gemm_n, repeats=5)
+    gemm = {}
+    dtypes = ["float32"] if cfg.dtype == "float32" else ["float32", "bfloat16"]
+    for dt in dtypes:
+        square = peak[f"torch {cfg.gemm_n}^3"] if dt == "float32" else max(measure_peak(cfg.gemm_n, 3, dt).values())
+        shapes = linear_shapes(config) if config else []
+        wide = measure_linear(shapes, 256, dt) if shapes else 0.0
+        gemm[dt] = dict(peak_gflops=max(square, wide, max(peak.values()) if dt == "float32" else 0.0),
+                        square_gflops=square, model_256_rows_gflops=wide,
+                        model_batch_rows=batch_rows,
+                        model_batch_gflops=measure_linear(shapes, batch_rows, dt) if shapes else 0.0)
     return dict(bandwidth_copy_gbs=bw["torch copy (read+write)"], bandwidth_read_gbs=bw["torch sum (read)"],
-                bandwidth_gbs=max(bw.values()), matmul_gflops=max(peak.values()),
+                bandwidth_gbs=max(bw.values()), matmul_gflops=max(peak.values()), gemm=gemm,
                 torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
 
 
@@ -126,7 +146,27 @@ def model_costs(runner, config: dict, decode_ctx: float, prefill_len: int) -> di
     # expert weights is read per decode token and multiplied per prompt token.
     body += sum((size(c.params["w13"]) + size(c.params["w2"])) * c.attrs["top_k"] // params[c.params["w13"]].shape[0]
                 for c in calls if c.primitive == "moe")
-    attn = 4 * layers * config["num_attention_heads"] * hd * (prefill_len + 1) / 2
+    attn_per_key = 4 * layers * config["num_attention_heads"] * hd  # q . k and p @ v, per query and key
+    weights_read = (head + body + sum(size(n) for n in norms)) * itemsize
     return dict(params=sum(by_source.values()), weight_bytes=sum(by_source.values()) * itemsize,
-                decode_bytes_per_token=(head + body + sum(size(n) for n in norms)) * itemsize + kv_per_token * decode_ctx,
-                prefill_flops_per_token=2 * body + attn + 2 * head / prefill_len)
+                decode_bytes_per_token=weights_read + kv_per_token * decode_ctx,
+                prefill_flops_per_token=2 * body + attn_per_key * (prefill_len + 1) / 2 + 2 * head / prefill_len,
+                body_params=body, head_params=head, weights_read_bytes=weights_read, kv_bytes_per_token=kv_per_token,
+                attn_flops_per_query_key=attn_per_key)
+
+
+def workload_roofline(costs: dict, prompt_lens: list[int], output_len: int, gemm_gflops: float,
+                      bandwidth_gbs: float) -> dict[str, float]:
+    """The least time the workload can take here, every prompt running at once: its prefill's
+    FLOPs at the GEMM peak, then output_len - 1 decode steps of all requests, each bound by its
+    FLOPs at that peak or by reading the weights and every request's KV at the bandwidth,
+    whichever is longer."""
+    n, gemm, bw = len(prompt_lens), gemm_gflops * 1e9, bandwidth_gbs * 1e9
+    body, head, per_key = costs["body_params"], costs["head_params"], costs["attn_flops_per_query_key"]
+    prefill = (2 * body * sum(prompt_lens) + 2 * head * n + per_key * sum(p * (p + 1) / 2 for p in prompt_lens)) / gemm
+    decode = 0.0
+    for i in range(1, output_len):
+        ctx = sum(prompt_lens) + n * i  # keys every request reads at this step
+        flops = n * 2 * (body + head) + per_key * ctx
+        decode += max(flops / gemm, (costs["weights_read_bytes"] + costs["kv_bytes_per_token"] * ctx) / bw)
+    return dict(seconds=prefill + decode, prefill_s=prefill, decode_s=decode, output_tok_s=n * output_len / (prefill + decode))

@@ -152,6 +152,7 @@ class LazyPlan(AttentionPlan):
     query_start_loc: object  # host copies
     seq_lens: object
     row_keys: int
+    request_keys: int  # the most query rows x keys of one request
     plan: GroupPlan | None = None
     native: object = None  # the native attention block's packed step arguments (False: unusable)
 
@@ -165,7 +166,8 @@ class LazyPlan(AttentionPlan):
 def lazy_plan(query_start_loc, seq_lens) -> LazyPlan:
     """The step's plan from its host arrays (no device sync)."""
     qsl, seq = np.asarray(query_start_loc, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
-    return LazyPlan(qsl, seq, int(((qsl[1:] - qsl[:-1]) * seq).sum()))
+    keys = (qsl[1:] - qsl[:-1]) * seq
+    return LazyPlan(qsl, seq, int(keys.sum()), int(keys.max(initial=0)))
 
 
 def plan_attention(query_start_loc, seq_lens) -> GroupPlan:
@@ -285,6 +287,21 @@ def _explicit_attention(q, k, v, mask, scale, soft_cap):
     return out.transpose(2, 3).reshape(gs, hq, nq, d).to(q.dtype)
 
 
+# Prefill groups run one SDPA per request when padding to the longest would add more than this
+# fraction of work, for up to _RAGGED_MAX_REQUESTS requests (each call costs tens of microseconds).
+_RAGGED_WASTE = 0.25
+_RAGGED_MAX_REQUESTS = 64
+
+
+def _ragged(g: AttentionGroup) -> bool:
+    """Whether a prefill group is cheaper one request at a time (work ~ queries x keys)."""
+    n = len(g.seq_lens)
+    if g.max_q == 1 or not 1 < n <= _RAGGED_MAX_REQUESTS:
+        return False
+    own = sum(s * (s - f) for s, f in zip(g.seq_lens, g.first_pos.tolist()))
+    return n * g.max_q * g.seq_lens[0] > (1 + _RAGGED_WASTE) * own
+
+
 def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_scales=None) -> torch.Tensor:
     """Attention of the requests of chunk `c`: [G * max_q, Hq, D], padded rows included."""
     g = c.g
@@ -308,6 +325,20 @@ def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_sc
         mask = _chunk_mask(c, window, q.dtype)  # [G, 1, 1, L]
         out = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         return out.view(gs, hq, d)
+    elif window is None and _ragged(g):
+        # Prompts of mixed lengths: one SDPA per request on its own queries and keys (padding
+        # every prompt to the longest did twice the work on a batch of 20-200 token prompts,
+        # docs/backends/torch-measurements.md); causal from position 0, masked after a prefix.
+        out = q.new_zeros(gs, g.max_q, hq, d)  # rows past a request's queries are padding, never read
+        qp = qr.view(gs, g.max_q, hq, d)
+        for i, (n, first) in enumerate(zip(g.seq_lens, g.first_pos.tolist())):
+            mask = None
+            if first:  # a cached prefix: query j (position first + j) reads keys 0..first + j
+                mask = torch.arange(n, device=q.device) <= torch.arange(first, n, device=q.device)[:, None]
+            out[i, : n - first] = F.scaled_dot_product_attention(
+                qp[i, : n - first].transpose(0, 1)[None], k[i : i + 1, :, :n], v[i : i + 1, :, :n], attn_mask=mask,
+                is_causal=not first, scale=scale, enable_gqa=hk != hq)[0].transpose(0, 1)  # fmt: skip
+        return out.view(gs * g.max_q, hq, d)
     elif g.fresh and window is None:
         # No cached prefix: query i reads keys 0..i, which is SDPA's own causal mask.
         qg = qr.view(gs, g.max_q, hq, d).transpose(1, 2)

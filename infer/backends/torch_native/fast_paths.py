@@ -43,7 +43,7 @@ def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_s
         return NotImplemented
     work = plan.row_keys * q.shape[1] * q.shape[2]
     return _served(native.attention(q, kv_cache, meta, scale, sliding_window, work,
-                                    (1.0, 1.0) if kv_scales is None else kv_scales))
+                                    (1.0, 1.0) if kv_scales is None else kv_scales, plan.request_keys))
 
 
 def linear(x, weight):

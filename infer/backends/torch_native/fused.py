@@ -73,7 +73,7 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
     if plan.native is False:
         return NotImplemented
     work = plan.row_keys * attrs["num_heads"] * attrs["head_dim"]
-    out = native.attention_block(x, positions, packed, plan.native, work)
+    out = native.attention_block(x, positions, packed, plan.native, work, plan.request_keys)
     return NotImplemented if out is None else out
 
 

@@ -15,8 +15,9 @@ benchmarks/primitives.py reproduces them):
   (no second copy kept).
 * float32, many rows: plain ``F.linear`` (MKL sgemm) runs close to the fp32
   matmul peak.
-* bfloat16: ``F.linear`` (oneDNN, AVX512-BF16) from BF16_GEMV_MAX_ROWS rows on; below,
-  the native AVX512-BF16 GEMV (`fast_paths.linear`) streams the weight ~2x faster.
+* bfloat16: up to BF16_GEMV_MAX_ROWS rows (decode batches), the native AVX512-BF16
+  kernel (`fast_paths.linear`: a register tile of weight rows x rows of x, the weight
+  streamed once) runs 1.3-3x torch's oneDNN GEMM; past that, ``F.linear``.
 * float16: CPUs without AVX512-FP16 run torch's fp16 GEMM several times slower
   than fp32, so from FP16_UPCAST_ROWS rows on, the product runs in float32
   (weight widened per call, cheap next to the GEMM) and is rounded to float16 once.

@@ -145,6 +145,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
     lib.infer_bf16_dot.argtypes, lib.infer_bf16_dot.restype = (), ctypes.c_int
     lib.infer_bf16_gemv.argtypes, lib.infer_bf16_gemv.restype = (_P, _I, _I, _I, _P, _P, _I, _I), ctypes.c_int
+    lib.infer_attention_bf16_fast.argtypes, lib.infer_attention_bf16_fast.restype = (ctypes.c_int,), ctypes.c_int
     lib.infer_openmp.argtypes, lib.infer_openmp.restype = (), ctypes.c_int
     threads = "torch's OpenMP threads" if lib.infer_openmp() else "own thread pool"
     return lib, f"built ({path}; {threads})"

@@ -35,6 +35,13 @@ static inline float bf16_load(uint16_t b) {
 }
 
 /* Round to nearest even; a NaN stays a (quiet) NaN. Branch-free, so loops vectorise. */
+/* AVX512-BF16's dot product instruction (vdpbf16ps): the bf16 GEMV/GEMM and attention paths. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VL__)
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+
 static inline uint16_t bf16_store(float f) {
     bits32 v = {.f = f};
     uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
@@ -512,7 +519,7 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
     return dot_f32(a, b, n);
 }
 
-#define DEF_ATTENTION(NAME, T, LD, ST, C, KLD)                                                              \
+#define DEF_ATTENTION(NAME, T, LD, ST, C, KLD, FAST)                                                        \
     /* A cached K or V row as float32: read in place from a float32 cache, else widened into buf. */        \
     static inline const float *widen_##NAME(const C *row, int64_t d, float scale, float *buf) {              \
         if (sizeof(C) == sizeof(float)) return (const float *)row;                                          \
@@ -628,7 +635,8 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
         job.partial = partial;                                                                              \
         int64_t parts = threads < 1 ? 1 : threads;                                                          \
         if (parts > units) parts = units > 0 ? units : 1;                                                   \
-        pool_run(att_task_##NAME, &job, parts);                                                             \
+        pool_task fast = (FAST);                                                                            \
+        pool_run(fast ? fast : att_task_##NAME, &job, parts);                                               \
         int rc = atomic_load(&job.failed) ? -2 : 0;                                                         \
         /* merge the units of each (row, KV head): they are consecutive */                                  \
         for (int64_t first = 0; rc == 0 && first < units;) {                                                \
@@ -1355,25 +1363,174 @@ DEF_ROTARY(f32, float, f32_load, f32_store)
 DEF_ROTARY(bf16, uint16_t, bf16_load, bf16_store)
 DEF_SILU_AND_MUL(f32, float, f32_load, f32_store)
 DEF_SILU_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
-DEF_ATTENTION(f32, float, f32_load, f32_store, float, KLD_F32)
-DEF_ATTENTION(bf16, uint16_t, bf16_load, bf16_store, uint16_t, KLD_BF16)
-DEF_ATTENTION(fp8_f32, float, f32_load, f32_store, uint8_t, KLD_FP8_F32)
-DEF_ATTENTION(fp8_bf16, uint16_t, bf16_load, bf16_store, uint8_t, KLD_FP8_BF16)
+#if BF16_DOT
+/* exp_f32 on 16 lanes: the same operations in the same order, so the same results. */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 big = _mm512_set1_ps(12582912.0f);
+    __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* The 16 lanes of each of a0..a3 summed: [sum a0, sum a1, sum a2, sum a3] (every input summed in
+ * the same order: lanes i and i + 2 of each 128-bit quarter, then the pairs, then the quarters). */
+static inline __attribute__((always_inline)) __m128 sum_lanes4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* bf16 q and cache, AVX512-BF16, head size 64/128/256, up to 8 query heads per KV head: the
+ * same units and partial results as the generic task, with q . k as bf16 dot products
+ * (vdpbf16ps: the exact products summed in float32, as the widened path sums them, in another
+ * order) and P @ V with the unit's V rows widened once and every query head's accumulator
+ * held in registers over the keys. */
+static inline __attribute__((always_inline)) void att_bf16_unit(const att_job *j, int64_t u, float *scores,
+                                                                float *vf, const int ND) {
+    int64_t item = j->unit_item[u], row = item / j->hk, g = item % j->hk, start, nkeys, group = j->group;
+    const int64_t d = 32 * ND;
+    att_keys(j, row, &start, &nkeys);
+    int64_t first = start + j->unit_key[u], n = nkeys - j->unit_key[u];
+    n = n < ATT_CHUNK ? n : ATT_CHUNK;
+    const int32_t *bt = j->block_table + j->row_req[row] * j->bt_stride;
+    const uint16_t *cache = (const uint16_t *)j->cache, *vcache = (const uint16_t *)j->vcache;
+    int64_t offs[ATT_CHUNK];
+    for (int64_t p = 0, blk = first / j->bs, in = first % j->bs; p < n; p++) {
+        offs[p] = ((int64_t)bt[blk] * j->bs + in) * j->kv_row + g * d;
+        if (++in == j->bs) {
+            in = 0;
+            blk++;
+        }
+    }
+    __m512bh qv[8][ND];
+    for (int64_t hh = 0; hh < group; hh++) {
+        const uint16_t *qr = (const uint16_t *)j->q + row * j->q_ts + (g * group + hh) * j->q_hs;
+#pragma GCC unroll 8
+        for (int c = 0; c < ND; c++) qv[hh][c] = (__m512bh)_mm512_loadu_si512(qr + 32 * c);
+    }
+    const __m128 scale = _mm_set1_ps(j->scale);
+    for (int64_t p0 = 0; p0 < n; p0 += 4) { /* four keys at a time: their sums of lanes together */
+        __m512bh kv[4][ND];
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; e++) {
+            const uint16_t *kr = cache + offs[p0 + e < n ? p0 + e : p0]; /* past n: key p0 again, not kept */
+            if (p0 + e + 8 < n) _mm_prefetch((const char *)(cache + offs[p0 + e + 8]), _MM_HINT_T0);
+#pragma GCC unroll 8
+            for (int c = 0; c < ND; c++) kv[e][c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+        }
+        for (int64_t hh = 0; hh < group; hh++) {
+            __m512 acc[4];
+#pragma GCC unroll 4
+            for (int e = 0; e < 4; e++) {
+                acc[e] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+                for (int c = 0; c < ND; c++) acc[e] = _mm512_dpbf16_ps(acc[e], qv[hh][c], kv[e][c]);
+            }
+            __m128 s4 = _mm_mul_ps(sum_lanes4(acc[0], acc[1], acc[2], acc[3]), scale);
+            _mm_storeu_ps(scores + hh * ATT_CHUNK + p0, s4); /* ATT_CHUNK is a multiple of 4: in bounds */
+        }
+    }
+    for (int64_t p = 0; p < n; p++) { /* V rows widened once for every query head */
+        const uint16_t *vr = vcache + offs[p];
+#pragma GCC unroll 16
+        for (int c = 0; c < 2 * ND; c++) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * c)));
+            _mm512_storeu_ps(vf + p * d + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+        }
+    }
+    float *part_out = j->partial + u * group * (d + 2);
+    for (int64_t hh = 0; hh < group; hh++) {
+        float *sc = scores + hh * ATT_CHUNK;
+        __m512 mv = _mm512_set1_ps(-INFINITY), sv = _mm512_setzero_ps();
+        for (int64_t p = 0; p < n; p += 16) {
+            __mmask16 live = n - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - p)) - 1);
+            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, sc + p));
+        }
+        float m = _mm512_reduce_max_ps(mv);
+        for (int64_t p = 0; p < n; p += 16) {
+            __mmask16 live = n - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - p)) - 1);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + p), _mm512_set1_ps(m)));
+            _mm512_mask_storeu_ps(sc + p, live, e);
+            sv = _mm512_mask_add_ps(sv, live, sv, e);
+        }
+        float sum = _mm512_reduce_add_ps(sv);
+        __m512 acc[2 * ND];
+#pragma GCC unroll 16
+        for (int c = 0; c < 2 * ND; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < n; p++) {
+            __m512 w = _mm512_set1_ps(sc[p]);
+#pragma GCC unroll 16
+            for (int c = 0; c < 2 * ND; c++) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vf + p * d + 16 * c), acc[c]);
+        }
+        float *o = part_out + hh * (d + 2);
+        o[0] = m;
+        o[1] = sum;
+#pragma GCC unroll 16
+        for (int c = 0; c < 2 * ND; c++) _mm512_storeu_ps(o + 2 + 16 * c, acc[c]);
+    }
+}
+
+static void att_task_bf16_dot(const void *args, int64_t part, int64_t parts) {
+    att_job *j = (att_job *)args;
+    int64_t units = j->unit_item[-1], lo = units * part / parts, hi = units * (part + 1) / parts;
+    float *scores = (float *)malloc(sizeof(float) * (8 * ATT_CHUNK + ATT_CHUNK * j->d));
+    if (!scores) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *vf = scores + 8 * ATT_CHUNK;
+    for (int64_t u = lo; u < hi; u++) switch (j->d) {
+        case 64: att_bf16_unit(j, u, scores, vf, 2); break;
+        case 128: att_bf16_unit(j, u, scores, vf, 4); break;
+        default: att_bf16_unit(j, u, scores, vf, 8); break;
+        }
+    free(scores);
+}
+#define ATT_FAST_BF16 (bf16_att_fast && group <= 8 && (d == 64 || d == 128 || d == 256) ? att_task_bf16_dot : NULL)
+static int bf16_att_fast = 1; /* 0: the generic loop (tests compare the two) */
+#else
+#define ATT_FAST_BF16 NULL
+static int bf16_att_fast = 0;
+#endif
+int infer_attention_bf16_fast(int on) {
+    int was = bf16_att_fast;
+    if (on >= 0) bf16_att_fast = on;
+    return was;
+}
+DEF_ATTENTION(f32, float, f32_load, f32_store, float, KLD_F32, NULL)
+DEF_ATTENTION(bf16, uint16_t, bf16_load, bf16_store, uint16_t, KLD_BF16, ATT_FAST_BF16)
+DEF_ATTENTION(fp8_f32, float, f32_load, f32_store, uint8_t, KLD_FP8_F32, NULL)
+DEF_ATTENTION(fp8_bf16, uint16_t, bf16_load, bf16_store, uint8_t, KLD_FP8_BF16, NULL)
 DEF_KV_WRITE_FP8(f32, float, f32_load)
 DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
 
-/* ---- bfloat16 dense GEMV: a few rows of x against a [n, k] bf16 weight ----------------------
+/* ---- bfloat16 dense GEMM: rows of x against a [n, k] bf16 weight --------------------------
  * y[t, r] = bf16(sum_i x[t, i] * w[r, i]), the products of bf16 pairs summed in float32 by
  * AVX512-BF16's dot instruction (vdpbf16ps, 32 pairs per instruction, denormal inputs read
- * as zero), 32 lanes at a time, the lanes added at the end: the sum in another order than
- * oneDNN's, the same float32 accumulation, one rounding to bf16. Each weight row is read
- * once per 8 rows of x; output rows are cut into `threads` parts. Without AVX512-BF16 it
- * returns -3 and the caller keeps torch's GEMM. */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define BF16_DOT 1
-#ifndef BF16_PREFETCH_ROWS
-#define BF16_PREFETCH_ROWS 4
-#endif
+ * as zero) into 16 lanes, the lanes added at the end: the sum in another order than oneDNN's,
+ * the same float32 accumulation, one rounding to bf16 (nearest even).
+ * The loop is a register tile: four weight rows against up to six rows of x, 24 accumulators,
+ * so each 64-byte piece of x loaded feeds four dot products and each piece of weight up to
+ * six. The four weight rows stay in L1 while every block of x rows passes over them (x, a
+ * step's activations, sits in L2), so the weight streams from memory once per call, and the
+ * next four rows are prefetched while these are used. Each output is the same chain of dot
+ * products and the same sum of lanes whatever the number of rows or threads: a row of x gets
+ * the same result alone as in a batch. Output rows are cut into `threads` parts. Without
+ * AVX512-BF16 it returns -3 and the caller keeps torch's GEMM. */
+#if BF16_DOT
 typedef struct {
     const uint16_t *x;
     int64_t xs, rows, k;
@@ -1382,60 +1539,88 @@ typedef struct {
     uint16_t *y;
 } bf16_job;
 
-/* One weight row against rows t..t+R of x, the row read front to back once (a sequential
- * stream the hardware prefetcher follows); two accumulators per x row halve the chain of
- * dependent dot products. */
-static inline __attribute__((always_inline)) void bf16_row(const bf16_job *j, int64_t r, int64_t t, const int R) {
-    __m512 acc[2][8];
-    for (int h = 0; h < 2; h++)
-        for (int m = 0; m < R; m++) acc[h][m] = _mm512_setzero_ps();
-    const uint16_t *wr = j->w + r * j->k;
-    int64_t i = 0;
-    for (; i + 64 <= j->k; i += 64) {
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + i), w1 = (__m512bh)_mm512_loadu_si512(wr + i + 32);
-        if (BF16_PREFETCH_ROWS && r + BF16_PREFETCH_ROWS < j->n) {
-            _mm_prefetch((const char *)(wr + BF16_PREFETCH_ROWS * j->k + i), _MM_HINT_T0);
-            _mm_prefetch((const char *)(wr + BF16_PREFETCH_ROWS * j->k + i + 32), _MM_HINT_T0);
-        }
-        for (int m = 0; m < R; m++) {
-            const uint16_t *xr = j->x + (t + m) * j->xs + i;
-            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_loadu_si512(xr), w0);
-            acc[1][m] = _mm512_dpbf16_ps(acc[1][m], (__m512bh)_mm512_loadu_si512(xr + 32), w1);
-        }
+/* The lanes of a0..a3 summed, one float each, rounded to bf16 and stored at y[0..3] (y[0..nc-1]). */
+static inline __attribute__((always_inline)) void bf16_store4(uint16_t *y, int nc, __m512 a0, __m512 a1,
+                                                              __m512 a2, __m512 a3) {
+    __m128i v = (__m128i)_mm_cvtneps_pbh(sum_lanes4(a0, a1, a2, a3));
+    if (nc == 4) {
+        _mm_storel_epi64((__m128i *)y, v);
+    } else {
+        uint16_t out[8];
+        _mm_storeu_si128((__m128i *)out, v);
+        for (int c = 0; c < nc; c++) y[c] = out[c];
     }
-    for (; i < j->k; i += 32) {
-        __mmask32 mask = j->k - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (j->k - i)) - 1);
-        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + i);
-        for (int m = 0; m < R; m++)
-            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)_mm512_maskz_loadu_epi16(mask, j->x + (t + m) * j->xs + i),
-                                         w0);
-    }
-    for (int m = 0; m < R; m++)
-        j->y[(t + m) * j->n + r] = bf16_store(_mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])));
 }
 
-#define BF16_ROWS(R)                                                                                        \
-    do {                                                                                                    \
-        for (int64_t r = lo; r < hi; r++) bf16_row(j, r, t, R);                                             \
-    } while (0)
+/* Weight rows r..r+nc-1 (nc <= 4; the missing ones read row r again and are not stored)
+ * against rows t..t+R-1 of x. */
+static inline __attribute__((always_inline)) void bf16_tile(const bf16_job *j, int64_t r, int nc, int64_t t,
+                                                            const int R) {
+    __m512 acc[4][6];
+    const int64_t k = j->k;
+    const uint16_t *wr[4], *xr = j->x + t * j->xs;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        wr[c] = j->w + (r + (c < nc ? c : 0)) * k;
+#pragma GCC unroll 6
+        for (int m = 0; m < R; m++) acc[c][m] = _mm512_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+        __m512bh w[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) w[c] = (__m512bh)_mm512_loadu_si512(wr[c] + i);
+#pragma GCC unroll 6
+        for (int m = 0; m < R; m++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + m * j->xs + i);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) acc[c][m] = _mm512_dpbf16_ps(acc[c][m], xv, w[c]);
+        }
+    }
+    if (i < k) { /* the last k % 32 columns, masked: the lanes past k add nothing */
+        __mmask32 mask = (__mmask32)((1ull << (k - i)) - 1);
+        __m512bh w[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) w[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[c] + i);
+#pragma GCC unroll 6
+        for (int m = 0; m < R; m++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr + m * j->xs + i);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) acc[c][m] = _mm512_dpbf16_ps(acc[c][m], xv, w[c]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < R; m++)
+        bf16_store4(j->y + (t + m) * j->n + r, nc, acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
+}
 
 static void bf16_task(const void *args, int64_t part, int64_t parts) {
     const bf16_job *j = (const bf16_job *)args;
-    int64_t lo = j->n * part / parts, hi = j->n * (part + 1) / parts, t = 0;
-    for (; t + 8 <= j->rows; t += 8) BF16_ROWS(8);
-    switch (j->rows - t) {
-    case 7: BF16_ROWS(7); break;
-    case 6: BF16_ROWS(6); break;
-    case 5: BF16_ROWS(5); break;
-    case 4: BF16_ROWS(4); break;
-    case 3: BF16_ROWS(3); break;
-    case 2: BF16_ROWS(2); break;
-    case 1: BF16_ROWS(1); break;
-    default: break;
+    /* parts cut the weight rows in fours; the last part takes the n % 4 left over */
+    int64_t quads = j->n / 4, lo = 4 * (quads * part / parts), hi = 4 * (quads * (part + 1) / parts);
+    if (part == parts - 1) hi = j->n;
+    /* blocks of at most 6 rows of x, as even as they come (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2) */
+    int64_t blocks = (j->rows + 5) / 6;
+    for (int64_t r = lo; r < hi; r += 4) {
+        int nc = hi - r < 4 ? (int)(hi - r) : 4;
+        if (r + 4 < hi) { /* the next four rows: one prefetch per line, to L2 */
+            int64_t next = hi - (r + 4) < 4 ? hi - (r + 4) : 4;
+            for (int64_t i = 0; i < next * j->k; i += 32) _mm_prefetch((const char *)(j->w + (r + 4) * j->k + i), _MM_HINT_T1);
+        }
+        for (int64_t b = 0, t = 0; b < blocks; b++) {
+            int64_t size = j->rows * (b + 1) / blocks - t;
+            switch (size) {
+            case 6: bf16_tile(j, r, nc, t, 6); break;
+            case 5: bf16_tile(j, r, nc, t, 5); break;
+            case 4: bf16_tile(j, r, nc, t, 4); break;
+            case 3: bf16_tile(j, r, nc, t, 3); break;
+            case 2: bf16_tile(j, r, nc, t, 2); break;
+            default: bf16_tile(j, r, nc, t, 1); break;
+            }
+            t += size;
+        }
     }
 }
-#else
-#define BF16_DOT 0
 #endif
 
 int infer_bf16_dot(void) { return BF16_DOT; }

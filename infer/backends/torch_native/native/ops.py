@@ -23,10 +23,16 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_ROWS = 256
 SILU_MAX_ROWS = 32
 # Split over torch's OpenMP team (kernels.c, PAR_FOR), rms_norm and rotary beat torch's ops
-# at every size (2-7x at 2048 rows); SiLU-and-mul only in float32 from 256 rows (torch's
-# float32 SiLU ran 7x longer at 2048 rows; bf16 about even, and behind from 33 to ~128 rows).
+# at every size (2-7x at 2048 rows); SiLU-and-mul in float32 from 256 rows (torch's float32
+# SiLU ran 7x longer at 2048 rows), in bfloat16 at every size (torch's path widens to float32
+# and back: 13x longer at 256 and 2048 rows on an AVX-512 Zen 4).
 SILU_PAR_MIN_ROWS = 256
 MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
+# The bf16 dot-product path serves any step whose requests each have at most this many
+# query rows x keys: it beat torch's SDPA (one prompt at a time) on prefill steps of 20-200
+# token prompts and on one 256-token prompt, was even at 512 and lost from 768 (each row
+# reads its keys again: no tiling over queries) (docs/backends/torch-measurements.md).
+BF16_ATTENTION_MAX_REQUEST_KEYS = 1 << 17
 
 
 def _lib(*tensors: torch.Tensor):
@@ -122,7 +128,7 @@ def silu_and_mul(x: torch.Tensor):
     lib = _lib(x)
     if lib is None or not _rows(x, _limit(SILU_MAX_ROWS)) or x.shape[1] % 2:
         return None
-    if x.shape[0] > SILU_MAX_ROWS and (x.dtype != torch.float32 or x.shape[0] < SILU_PAR_MIN_ROWS):
+    if x.shape[0] > SILU_MAX_ROWS and x.dtype == torch.float32 and x.shape[0] < SILU_PAR_MIN_ROWS:
         return None  # on the team: float32 from SILU_PAR_MIN_ROWS only
     rows, h = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, h), dtype=x.dtype)
@@ -171,10 +177,23 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     return True
 
 
+def _bf16_attention(dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hk: int, d: int) -> bool:
+    """Whether the kernel's bf16 dot-product path serves these heads (kernels.c, ATT_FAST_BF16)."""
+    return (dtype == torch.bfloat16 and cache_dtype == torch.bfloat16 and bf16_dot() and d in (64, 128, 256)
+            and hk > 0 and hq % hk == 0 and hq // hk <= 8)
+
+
+def _attention_fits(work: int, request_keys: int, bf16_path: bool) -> bool:
+    """Whether a step's attention is the kernel's to do: little work in all, or (bf16 dot-product
+    path) no request with more than BF16_ATTENTION_MAX_REQUEST_KEYS query rows x keys."""
+    return work <= MAX_ATTENTION_WORK or (bf16_path and 0 <= request_keys <= BF16_ATTENTION_MAX_REQUEST_KEYS)
+
+
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
-              work: int, kv_scales: tuple[float, float] | None = None):
+              work: int, kv_scales: tuple[float, float] | None = None, request_keys: int = -1):
     """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller
-    plans it once a step). An fp8 (uint8) cache takes `kv_scales`.
+    plans it once a step); `request_keys`: the most query rows x keys of one request (-1:
+    unknown). An fp8 (uint8) cache takes `kv_scales`.
 
     Split over torch's threads when the kernels run on its OpenMP team; with their own pool,
     one thread: between torch ops, that pool and torch's spinning OpenMP threads take each
@@ -182,7 +201,10 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     threads: docs/backends/torch-measurements.md)."""
     lib = _lib(q)
     fp8 = kv_cache.dtype == torch.uint8
-    if lib is None or q.dim() != 3 or q.stride(2) != 1 or not kv_cache.is_contiguous() or work > MAX_ATTENTION_WORK:
+    if lib is None or q.dim() != 3 or q.stride(2) != 1 or kv_cache.dim() != 5 or not kv_cache.is_contiguous():
+        return None
+    bf16_path = _bf16_attention(q.dtype, kv_cache.dtype, q.shape[1], kv_cache.shape[3], q.shape[2])
+    if not _attention_fits(work, request_keys, bf16_path):
         return None
     if not kv_cache.is_cpu or (kv_cache.dtype != q.dtype and not fp8) or (fp8 and kv_scales is None):
         return None
@@ -229,13 +251,13 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, grou
     return y
 
 
-# bf16 rows up to which the AVX512-BF16 GEMV beats torch's bf16 GEMM (oneDNN) on a dense weight;
+# bf16 rows up to which the AVX512-BF16 kernel (a register tile) beats torch's bf16 GEMM (oneDNN) on a dense weight;
 # set by measurement (docs/backends/torch-measurements.md).
-BF16_GEMV_MAX_ROWS = 8
+BF16_GEMV_MAX_ROWS = 64
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor):
-    """bfloat16 ``x @ weight.T`` for a few rows of x (AVX512-BF16 dot products, float32 sums);
+    """bfloat16 ``x @ weight.T`` for up to BF16_GEMV_MAX_ROWS rows of x (AVX512-BF16 dot products, float32 sums);
     None when the kernel does not apply (no AVX512-BF16, other dtypes or layouts, more rows)."""
     lib = _lib(x, weight)
     if (lib is None or x.dtype != torch.bfloat16 or not bf16_dot() or x.dim() != 2 or x.stride(1) != 1
@@ -368,6 +390,7 @@ class Packed:
     hidden: int = 0
     scale: float = 0.0
     max_rows: int = 0  # rows of x its kernels serve (layers)
+    bf16_attention: bool = False  # its attention takes the bf16 dot-product path (layers)
 
 
 def _pack(values, keep, **kw) -> Packed:
@@ -395,7 +418,7 @@ def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNa
     values = (*qkv.args, *o.args, cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(),
               nblocks, bs, hq, hk, d, hidden, window or 0)
     return _pack(values, (qkv, o, cos_sin, kv_cache), dtype=kv_cache.dtype, hidden=hidden, scale=scale,
-                 max_rows=max_rows)
+                 max_rows=max_rows, bf16_attention=_bf16_attention(kv_cache.dtype, kv_cache.dtype, hq, hk, d))
 
 
 def attention_block_step(meta):
@@ -412,12 +435,13 @@ def attention_block_step(meta):
     return _pack(values, (bt, qsl, seq, slots))
 
 
-def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Packed, work: int):
+def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Packed, work: int,
+                    request_keys: int = -1):
     """The attention node (qkv projection, rotary, kv_write, attention, o projection) for the
-    rows of x; None when the kernels do not apply."""
+    rows of x; None when the kernels do not apply. `work` and `request_keys` as in `attention`."""
     lib = _lib(x)
     if lib is None or x.dtype != layer.dtype or not _layer_rows(x, layer) or x.shape[1] != layer.hidden \
-            or work > MAX_ATTENTION_WORK:
+            or not _attention_fits(work, request_keys, layer.bf16_attention):
         return None
     rows = x.shape[0]
     if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,) \
