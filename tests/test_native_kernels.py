@@ -648,3 +648,27 @@ def test_bf16_attention_serves_much_work_in_small_requests_and_leaves_long_promp
     assert nops.attention(q, cache, meta, 0.125, None, big, (1.0, 1.0), meta.plan.request_keys) is None
     assert nops.attention(q, cache, meta, 0.125, None, big, (1.0, 1.0)) is None  # unknown: the work limit
     assert nops.attention(q.float(), cache.float(), meta, 0.125, None, big, (1.0, 1.0), 1) is None  # float32
+    monkeypatch.setattr(nops, "BF16_ATTENTION_MAX_REQUEST_KEYS", 144)
+    assert nops.attention(q, cache, meta, 0.125, None, nops.BF16_ATTENTION_MAX_WORK, (1.0, 1.0), 144) is not None
+    # the kernel's partial results grow with the work: a cap on it in all
+    assert nops.attention(q, cache, meta, 0.125, None, nops.BF16_ATTENTION_MAX_WORK + 1, (1.0, 1.0), 144) is None
+
+
+def test_bf16_attention_dot_product_path_lets_a_nan_key_reach_its_rows_as_the_generic_loop_does():
+    """A NaN in a cached key: every query row reading it comes out NaN on both paths (the
+    vector max and exp keep NaN where the scalar loop does); rows not reading it stay finite."""
+    if not native.bf16_dot():
+        pytest.skip("no AVX512-BF16 on this host")
+    q, cache, meta, _ = paged_batch([1, 1], [40, 9], 1, 64, 16, dtype=torch.bfloat16)
+    row = int(meta.block_table[0, 1]) * 16 + 3  # position 19 of the first request
+    cache.view(2, -1, 1, 64)[0, row, 0, 5] = float("nan")
+    meta = OPS.prepare_metadata(meta)
+    lib = native.library()
+    fast = nops.attention(q, cache, meta, 0.125, None, work=1, kv_scales=(1.0, 1.0))
+    was = lib.infer_attention_bf16_fast(0)
+    try:
+        generic = nops.attention(q, cache, meta, 0.125, None, work=1, kv_scales=(1.0, 1.0))
+    finally:
+        lib.infer_attention_bf16_fast(was)
+    assert fast[0].isnan().all() and generic[0].isnan().all()
+    assert torch.isfinite(fast[1]).all() and torch.equal(fast[1].isnan(), generic[1].isnan())

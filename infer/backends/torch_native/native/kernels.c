@@ -36,7 +36,8 @@ static inline float bf16_load(uint16_t b) {
 
 /* Round to nearest even; a NaN stays a (quiet) NaN. Branch-free, so loops vectorise. */
 /* AVX512-BF16's dot product instruction (vdpbf16ps): the bf16 GEMV/GEMM and attention paths. */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #define BF16_DOT 1
 #else
 #define BF16_DOT 0
@@ -1364,9 +1365,10 @@ DEF_ROTARY(bf16, uint16_t, bf16_load, bf16_store)
 DEF_SILU_AND_MUL(f32, float, f32_load, f32_store)
 DEF_SILU_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
 #if BF16_DOT
-/* exp_f32 on 16 lanes: the same operations in the same order, so the same results. */
+/* exp_f32 on 16 lanes: the same operations in the same order, so the same results (NaN included). */
 static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    /* max/min return their second operand when either is NaN: x goes second, so NaN stays NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(88.7f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
     __m512 big = _mm512_set1_ps(12582912.0f);
     __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
     __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
@@ -1457,7 +1459,8 @@ static inline __attribute__((always_inline)) void att_bf16_unit(const att_job *j
         __m512 mv = _mm512_set1_ps(-INFINITY), sv = _mm512_setzero_ps();
         for (int64_t p = 0; p < n; p += 16) {
             __mmask16 live = n - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - p)) - 1);
-            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, sc + p));
+            /* a NaN score is passed over, as the generic loop does; its exp (NaN) reaches the output */
+            mv = _mm512_mask_max_ps(mv, live, _mm512_maskz_loadu_ps(live, sc + p), mv);
         }
         float m = _mm512_reduce_max_ps(mv);
         for (int64_t p = 0; p < n; p += 16) {
@@ -1521,7 +1524,8 @@ DEF_KV_WRITE_FP8(bf16, uint16_t, bf16_load)
  * y[t, r] = bf16(sum_i x[t, i] * w[r, i]), the products of bf16 pairs summed in float32 by
  * AVX512-BF16's dot instruction (vdpbf16ps, 32 pairs per instruction, denormal inputs read
  * as zero) into 16 lanes, the lanes added at the end: the sum in another order than oneDNN's,
- * the same float32 accumulation, one rounding to bf16 (nearest even).
+ * the same float32 accumulation, one rounding to bf16 (nearest even; a sum below
+ * float32's normal range, 2^-126, becomes zero).
  * The loop is a register tile: four weight rows against up to six rows of x, 24 accumulators,
  * so each 64-byte piece of x loaded feeds four dot products and each piece of weight up to
  * six. The four weight rows stay in L1 while every block of x rows passes over them (x, a

@@ -33,6 +33,9 @@ MAX_ATTENTION_WORK = 1 << 23  # query rows x keys x query heads x head_dim
 # token prompts and on one 256-token prompt, was even at 512 and lost from 768 (each row
 # reads its keys again: no tiling over queries) (docs/backends/torch-measurements.md).
 BF16_ATTENTION_MAX_REQUEST_KEYS = 1 << 17
+# ... and at most this much work in all: the kernel's per-unit partial results take ~work / 16
+# bytes (64 MiB here).
+BF16_ATTENTION_MAX_WORK = 1 << 30
 
 
 def _lib(*tensors: torch.Tensor):
@@ -185,8 +188,10 @@ def _bf16_attention(dtype: torch.dtype, cache_dtype: torch.dtype, hq: int, hk: i
 
 def _attention_fits(work: int, request_keys: int, bf16_path: bool) -> bool:
     """Whether a step's attention is the kernel's to do: little work in all, or (bf16 dot-product
-    path) no request with more than BF16_ATTENTION_MAX_REQUEST_KEYS query rows x keys."""
-    return work <= MAX_ATTENTION_WORK or (bf16_path and 0 <= request_keys <= BF16_ATTENTION_MAX_REQUEST_KEYS)
+    path) no request with more than BF16_ATTENTION_MAX_REQUEST_KEYS query rows x keys and at
+    most BF16_ATTENTION_MAX_WORK in all."""
+    return work <= MAX_ATTENTION_WORK or (bf16_path and 0 <= request_keys <= BF16_ATTENTION_MAX_REQUEST_KEYS
+                                          and work <= BF16_ATTENTION_MAX_WORK)
 
 
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
