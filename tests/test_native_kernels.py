@@ -602,6 +602,19 @@ def test_auto_dtype_serves_a_bf16_checkpoint_in_bf16_where_the_cpu_has_bf16_dot_
     assert LLM(str(tmp_path / "f32"), backend="torch", skip_tokenizer_init=True).engine.dtype == "float32"
 
 
+def _fast_and_generic(q, cache, meta, window):
+    """The bf16 attention kernel's output on its dot-product path, then on the generic loop."""
+    lib = native.library()
+    fast = nops.attention(q, cache, meta, 0.125, window, work=1, kv_scales=(1.0, 1.0))
+    was = lib.infer_attention_bf16_fast(0)
+    try:
+        generic = nops.attention(q, cache, meta, 0.125, window, work=1, kv_scales=(1.0, 1.0))
+    finally:
+        lib.infer_attention_bf16_fast(was)
+    assert was == 1 and fast is not None and generic is not None
+    return fast, generic
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hk", [1, 2])
 @pytest.mark.parametrize("window", [None, 5])
@@ -616,14 +629,7 @@ def test_bf16_attention_dot_product_path_matches_the_generic_loop_and_float64(ba
     q_lens, seq_lens = ([1, 1, 1], [150, 131, 64]) if batch == "long_decode" else BATCHES[batch]
     q, cache, meta, dense = paged_batch(q_lens, seq_lens, hk, d, 16, dtype=torch.bfloat16)
     meta = OPS.prepare_metadata(meta)
-    lib = native.library()
-    fast = nops.attention(q, cache, meta, 0.125, window, work=1, kv_scales=(1.0, 1.0))
-    was = lib.infer_attention_bf16_fast(0)
-    try:
-        generic = nops.attention(q, cache, meta, 0.125, window, work=1, kv_scales=(1.0, 1.0))
-    finally:
-        lib.infer_attention_bf16_fast(was)
-    assert was == 1 and fast is not None and generic is not None
+    fast, generic = _fast_and_generic(q, cache, meta, window)
     exact = dense_attention(q, dense, q_lens, 0.125, window)
     err = (fast.double() - exact).abs().max()
     assert err <= 2**-8 * exact.abs().max()
@@ -632,8 +638,9 @@ def test_bf16_attention_dot_product_path_matches_the_generic_loop_and_float64(ba
 
 
 def test_bf16_attention_serves_much_work_in_small_requests_and_leaves_long_prompts_to_sdpa(monkeypatch):
-    """The bf16 dot-product path has no limit on a step's total work, only on one request's
-    query rows x keys (it re-reads keys per query row; SDPA tiles a long prompt better)."""
+    """The bf16 dot-product path takes steps past MAX_ATTENTION_WORK while no request has more
+    than BF16_ATTENTION_MAX_REQUEST_KEYS query rows x keys (it re-reads keys per query row; SDPA
+    tiles a long prompt better), up to BF16_ATTENTION_MAX_WORK in all."""
     if not native.bf16_dot():
         pytest.skip("no AVX512-BF16 on this host: the work limit alone applies (tested above)")
     q, cache, meta, dense = paged_batch([7, 12, 1], [7, 12, 30], 1, 64, 16, dtype=torch.bfloat16)
@@ -663,12 +670,6 @@ def test_bf16_attention_dot_product_path_lets_a_nan_key_reach_its_rows_as_the_ge
     row = int(meta.block_table[0, 1]) * 16 + 3  # position 19 of the first request
     cache.view(2, -1, 1, 64)[0, row, 0, 5] = float("nan")
     meta = OPS.prepare_metadata(meta)
-    lib = native.library()
-    fast = nops.attention(q, cache, meta, 0.125, None, work=1, kv_scales=(1.0, 1.0))
-    was = lib.infer_attention_bf16_fast(0)
-    try:
-        generic = nops.attention(q, cache, meta, 0.125, None, work=1, kv_scales=(1.0, 1.0))
-    finally:
-        lib.infer_attention_bf16_fast(was)
+    fast, generic = _fast_and_generic(q, cache, meta, None)
     assert fast[0].isnan().all() and generic[0].isnan().all()
     assert torch.isfinite(fast[1]).all() and torch.equal(fast[1].isnan(), generic[1].isnan())

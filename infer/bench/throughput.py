@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from multiprocessing import get_context
 from typing import Any
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from .runners import run_infer, run_transformers
 from .machine import GB
-from .workload import BenchConfig, engine_kwargs, machine_limits, make_workload, workload_roofline
+from .workload import BenchConfig, engine_kwargs, gemm_limits, machine_limits, make_workload, workload_roofline
 
 
 def _in_child(fn, *args):
@@ -56,7 +56,7 @@ def run_benchmark(cfg: BenchConfig, log=print) -> dict[str, Any]:
         hf = _in_child(run_transformers, cfg, work, dtype)
     costs = inf.pop("model")
     if dtype not in limits["gemm"]:  # a dtype the probe did not expect (--dtype auto resolving elsewhere)
-        limits["gemm"] |= machine_limits(replace(cfg, dtype=dtype), m.config, limits["gemm"]["float32"]["model_batch_rows"])["gemm"]
+        limits["gemm"][dtype] = gemm_limits(cfg, m.config, dtype, limits["gemm"]["float32"]["model_batch_rows"])
     peak = limits["gemm"][dtype]["peak_gflops"]
     limits |= dict(dtype=dtype, gemm_peak_gflops=peak,
                    decode_limit_tok_s=limits["bandwidth_gbs"] * GB / costs["decode_bytes_per_token"],

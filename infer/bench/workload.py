@@ -97,26 +97,28 @@ def linear_shapes(config: dict) -> list[tuple[int, int]]:
     return [((hq + 2 * hk) * hd, h), (h, hq * hd), (2 * inter, h), (h, inter)]
 
 
+def gemm_limits(cfg: BenchConfig, config: dict | None, dtype: str, batch_rows: int) -> dict[str, Any]:
+    """The GEMM peak in `dtype`: the best of an n^3 matmul and the model's linears at 256 rows;
+    and the linears' rate at `batch_rows` (0.0 without a model config)."""
+    shapes = linear_shapes(config) if config else []
+    square = max(measure_peak(cfg.gemm_n, 5, dtype).values())  # float32: NumPy's too
+    wide = measure_linear(shapes, 256, dtype) if shapes else 0.0
+    return dict(peak_gflops=max(square, wide), square_gflops=square, model_256_rows_gflops=wide,
+                model_batch_rows=batch_rows,
+                model_batch_gflops=measure_linear(shapes, batch_rows, dtype) if shapes else 0.0)
+
+
 def machine_limits(cfg: BenchConfig, config: dict | None = None, batch_rows: int = 32) -> dict[str, Any]:
-    """Memory bandwidth (GB/s), the fp32 matmul peak (GFLOP/s), and per dtype the GEMM peak: the
-    best of an n^3 matmul and the model's linears at 256 rows (and their rate at `batch_rows`)."""
+    """Memory bandwidth (GB/s), the fp32 matmul peak (GFLOP/s), and `gemm_limits` for float32 and
+    the dtype infer is asked for (`auto`: bfloat16, what it resolves to where that is faster)."""
     import torch
 
     set_threads(cfg)
     bw = measure_bandwidth(cfg.limits_mib, repeats=5, allocations=1)
-    peak = measure_peak(cfg.gemm_n, repeats=5)
-    gemm = {}
-    dtypes = ["float32"] if cfg.dtype == "float32" else ["float32", "bfloat16"]
-    for dt in dtypes:
-        square = peak[f"torch {cfg.gemm_n}^3"] if dt == "float32" else max(measure_peak(cfg.gemm_n, 3, dt).values())
-        shapes = linear_shapes(config) if config else []
-        wide = measure_linear(shapes, 256, dt) if shapes else 0.0
-        gemm[dt] = dict(peak_gflops=max(square, wide, max(peak.values()) if dt == "float32" else 0.0),
-                        square_gflops=square, model_256_rows_gflops=wide,
-                        model_batch_rows=batch_rows,
-                        model_batch_gflops=measure_linear(shapes, batch_rows, dt) if shapes else 0.0)
+    asked = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    gemm = {dt: gemm_limits(cfg, config, dt, batch_rows) for dt in dict.fromkeys(("float32", asked))}
     return dict(bandwidth_copy_gbs=bw["torch copy (read+write)"], bandwidth_read_gbs=bw["torch sum (read)"],
-                bandwidth_gbs=max(bw.values()), matmul_gflops=max(peak.values()), gemm=gemm,
+                bandwidth_gbs=max(bw.values()), matmul_gflops=gemm["float32"]["square_gflops"], gemm=gemm,
                 torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
 
 
