@@ -222,6 +222,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.pending: dict[str, int] = {}  # tokens allocated and written, not yet marked computed
         self.family: dict[str, int] = {}
         self.ids = itertools.count()  # per run: hypothesis replays must draw alike
+        self.prompts: list[list[int]] = []  # every admitted prompt (later ones may start with one)
 
     def _allocate(self, req, n, hit=()) -> bool:
         if not self.bm.allocate_slots(req, n, hit):
@@ -237,7 +238,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # Prompts over {0, 1} so prefixes repeat and the prefix cache hits.
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=10), salt=st.sampled_from([None, "s"]), data=st.data())
     def admit(self, tokens, salt, data):
-        req = Request(f"q{next(self.ids)}", tokens, cache_salt=salt)
+        self._admit(Request(f"q{next(self.ids)}", tokens, cache_salt=salt), data)
+
+    def _admit(self, req, data):
+        self.prompts.append(list(req.prompt_token_ids))
         hit, num_hit = self.bm.get_computed_blocks(req)
         assert num_hit < req.num_tokens
         n = data.draw(st.integers(1, req.num_tokens - num_hit))
@@ -347,6 +351,44 @@ class MixedBlockSizesMachine(BlockManagerMachine):
         self.bm = BlockManager(num_blocks, block_size, caching, block_multiples=(1, 2, 4))
         self.bm._wanted_pages = lambda req: (1, 2, 4)[req.num_tokens % 3]
 
+        self.wants: dict[str, int] = {}  # pages per block a request asks for, where a rule chose
+        self.bm._wanted_pages = lambda req: self.wants.get(req.request_id, (1, 2, 4)[req.num_tokens % 3])
+
+    @precondition(lambda self: self.prompts and self.bm.enable_prefix_caching)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 1), min_size=1, max_size=8), pages=st.sampled_from([1, 2, 4]))
+    def admit_on_an_earlier_prompt(self, data, more, pages):
+        """A prompt that starts with an earlier one, asking for blocks of 1, 2 or 4 pages: its
+        prefix hit is pages wherever the earlier request got them, consecutive or not,
+        aligned to a run or not (a hit of consecutive pages off a run's start must fall
+        back to one-page blocks, not read its neighbours)."""
+        prefix = data.draw(st.sampled_from(self.prompts))
+        req = Request(f"q{next(self.ids)}", prefix + more)
+        self.wants[req.request_id] = pages
+        self._admit(req, data)
+
+    @precondition(lambda self: self.bm.enable_prefix_caching)
+    @rule(data=st.data(), prompt=st.lists(st.integers(0, 1), min_size=2, max_size=10),
+          more=st.lists(st.integers(0, 1), min_size=1, max_size=4), pages=st.sampled_from([2, 4]),
+          shift=st.integers(0, 3))
+    def hit_pages_that_one_page_blocks_wrote(self, data, prompt, more, pages, shift):
+        """A request of one-page blocks computes a prompt in pages wherever the free queue
+        puts them (consecutive, and after `shift` one-page requests not at a run's start),
+        then a request wanting blocks of `pages` pages starts with that prompt and hits them."""
+        for _ in range(shift):
+            spacer = Request(f"q{next(self.ids)}", [2])  # a token no prompt shares: never a hit
+            self.wants[spacer.request_id] = 1
+            self._admit(spacer, data)
+        first = Request(f"q{next(self.ids)}", prompt)
+        self.wants[first.request_id] = 1
+        self._admit(first, data)
+        if first.request_id in self.live:
+            first.num_computed_tokens += self.pending[first.request_id]
+            self.pending[first.request_id] = 0
+            self.bm.cache_blocks(first)
+        second = Request(f"q{next(self.ids)}", prompt + more)
+        self.wants[second.request_id] = pages
+        self._admit(second, data)
+
     @invariant()
     def every_request_reads_back_its_own_tokens(self):
         self.bm.check_layout()
@@ -357,5 +399,5 @@ class MixedBlockSizesMachine(BlockManagerMachine):
             assert [int(self.kv[table[p // bs], p % bs]) for p in range(n)] == req.all_token_ids[:n]
 
 
-MixedBlockSizesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+MixedBlockSizesMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=30, deadline=None)
 test_mixed_block_size_invariants = MixedBlockSizesMachine.TestCase

@@ -69,6 +69,29 @@ def test_a_request_without_a_free_run_falls_back_to_one_page_blocks():
     assert (bm.num_free_blocks, bm.num_run_fallbacks, dict(bm._free_groups[2])) == before and "b" not in bm._pages
 
 
+def test_a_prefix_hit_of_consecutive_pages_off_a_run_start_takes_one_page_blocks():
+    """Pages 1 and 2 are consecutive but no run of 2 (runs start at even pages): a request
+    hitting them that wants blocks of 2 pages must use one-page blocks, not treat page 1
+    as the start of a run (which would read page 0, another request's)."""
+    bm = _auto(num_blocks=16, caching=True)
+    holder = _request("h", 1, 1)
+    assert bm.allocate_slots(holder, 1)
+    first = _request("a", 8, 1)  # expects 9 tokens: one-page blocks
+    assert bm.allocate_slots(first, 8)
+    assert bm.pages_per_block("a") == 1 and bm.get_block_ids("a") == [1, 2]
+    first.num_computed_tokens = 8
+    bm.cache_blocks(first)
+    bm.free("a")
+    again = _request("b", 12, 12)  # the same 8 tokens first; 24 expected tokens want blocks of 2 pages
+    assert bm._wanted_pages(again) == 2
+    hit, n = bm.get_computed_blocks(again)
+    assert hit == [1, 2] and n == 8
+    assert bm.allocate_slots(again, 4, hit)
+    assert bm.pages_per_block("b") == 1 and bm.get_block_ids("b")[:2] == [1, 2] and 0 not in bm.get_block_ids("b")
+    assert bm.num_run_fallbacks == 1
+    bm.check_layout()
+
+
 def test_prefix_hits_keep_big_blocks_when_they_are_whole_runs():
     bm = _auto(caching=True)
     first = _request("a", 33, 40)

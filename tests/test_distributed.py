@@ -252,10 +252,14 @@ def tiny_dirs(tmp_path_factory):
     make_model("llama3")[0].save_pretrained(root / "llama3_uneven")
     save_moe_model("mixtral", root / "mixtral")
     save_moe_model("qwen2_moe", root / "qwen2_moe")
-    return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe")}
+    # Gemma 3 (tied, scaled embeddings; per-head q/k norms; local and global rope), Gemma 2 (soft-capped
+    # logits after the gathered vocabulary), Phi-3 (fused qkv and gate_up tensors cut per part)
+    for kind in ("gemma3", "gemma2", "phi3"):
+        make_model(kind)[0].save_pretrained(root / kind)
+    return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3")}
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3"])
 def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
     engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
     [one] = generate(tiny_dirs[kind], engine)
@@ -326,7 +330,7 @@ def test_tp2_with_a_draft_model_generates_what_one_process_does(tiny_dirs, tmp_p
                                                                                          one["accepted_tokens"])
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("llama", 1, 2), ("mixtral", 1, 2), ("llama", 2, 2)])
+@pytest.mark.parametrize("kind,tp,pp", [("llama", 1, 2), ("mixtral", 1, 2), ("llama", 2, 2), ("gemma2", 1, 2)])
 def test_pipeline_stages_generate_what_one_process_does(tiny_dirs, kind, tp, pp):
     """PP=2: layer 0 on the first stage, layer 1 and the head on the second; with TP=2
     inside each stage, four processes."""

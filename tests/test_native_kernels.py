@@ -137,6 +137,23 @@ def test_silu_and_mul_matches_the_torch_ops(torch_ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 9])
+def test_gelu_tanh_and_mul_matches_the_torch_ops(torch_ops, dtype, rows, monkeypatch):
+    """Gemma's GeGLU in the kernel: torch's GELU (tanh form) within float32 rounding."""
+    x = (torch.randn(rows, 2 * 1536) * 6).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    calls = []
+    real = nops.silu_and_mul
+    monkeypatch.setattr(nops, "silu_and_mul", lambda *a: calls.append(a[1:]) or real(*a))
+    got = OPS.act_and_mul(x, "gelu_tanh")
+    assert calls == [("gelu_tanh",)]  # the kernel served it
+    want = torch_ops(ops.act_and_mul, x, "gelu_tanh")
+    # one bf16 rounding apart at most; in saturated tails 1 + tanh is 0 in one and an ulp in
+    # the other, times values of ~10
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_write_is_exactly_the_torch_ops_and_skips_padded_rows(torch_ops, dtype):
     _, _, k, v = _qkv(6, 4, 2, 32, dtype)
     slots = torch.tensor([5, -1, 17, 0, -1, 63])
@@ -208,13 +225,29 @@ def test_attention_block_id_outside_the_cache_raises():
         OPS.attention(q, cache, meta, 0.5)
 
 
-def test_an_fp8_cache_without_scales_and_a_soft_cap_stay_on_the_torch_ops(monkeypatch):
+def test_an_fp8_cache_without_scales_stays_on_the_torch_ops():
     q, cache, meta, _ = paged_batch([1], [6], 1, 8, 4)
     meta = OPS.prepare_metadata(meta)
     assert nops.attention(q, cache.to(torch.uint8), meta, 0.5, None, work=1) is None
     assert nops.kv_write(q[:, :1], q[:, :1], cache.to(torch.uint8), torch.tensor([0])) is False
-    monkeypatch.setattr(nops, "attention", lambda *a, **k: pytest.fail("soft-capped attention reached the kernel"))
-    OPS.attention(q, cache, meta, 0.5, soft_cap=5.0)
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 64)])
+def test_soft_capped_attention_in_the_kernel_matches_the_torch_ops(torch_ops, batch, window, dtype, d):
+    """Gemma 2's logit soft-cap (cap * tanh(score / cap)) in the kernel, the generic loop and
+    (bf16, head size 64) the dot-product path, against the torch ops' explicit attention."""
+    q_lens, seq_lens = BATCHES[batch]
+    q, cache, meta, _ = paged_batch(q_lens, seq_lens, 2, d, 16, dtype=dtype)
+    q = (q * 3).to(dtype)  # scores of several units: a cap of 2 bends them
+    meta = OPS.prepare_metadata(meta)
+    with_cap = OPS.attention(q, cache, meta, 0.25, window, soft_cap=2.0)
+    want = torch_ops(BACKEND.attention, q, cache, meta, 0.25, window, soft_cap=2.0)
+    without = OPS.attention(q, cache, meta, 0.25, window)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(with_cap.float(), want.float(), rtol=tol, atol=tol)
+    assert (with_cap.float() - without.float()).abs().max() > 20 * tol  # the cap changed the result
 
 
 def _status_in_subprocess(env: dict) -> str:

@@ -24,6 +24,38 @@ MODELS = {
     # q/k norm, head_dim set apart from hidden/heads, GQA 5:1
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(hidden_size=96, num_attention_heads=5, num_key_value_heads=1,
                                                       head_dim=64)),
+    # sandwich norms with 1 + w, embeddings scaled by sqrt(hidden), a sliding layer (window < prompt)
+    # then a global one, query_pre_attn_scalar, attention and final-logit soft-caps low enough to bite
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                         head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+                                                         attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
+    # per-head q/k norms with 1 + w, local layers with their own rope base, linear scaling on the global
+    # one, MQA
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # fused qkv and gate_up checkpoints, partial rotary (24 of 32 dims), LongRoPE short factors with
+    # the attention factor of a 4x context
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+        max_position_embeddings=1024, original_max_position_embeddings=256, sliding_window=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(12)]})),
+    # embedding, residual, attention and logit multipliers, tied embeddings
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=3.0,
+        residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=2.5, tie_word_embeddings=True)),
+    # norms after attention and MLP only, q/k norms over the whole projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)),
+    # every second layer without rope
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(hidden_size=128, num_attention_heads=4,
+                                                            num_key_value_heads=2, no_rope_layer_interval=2)),
+    # sandwich norms, fused gate_up, q/k/v biases, half the head dims rotated GPT-J style
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=32, partial_rotary_factor=0.5, attention_bias=True)),
 }
 
 
@@ -41,8 +73,8 @@ def random_model(cfg_cls: str, model_cls: str, **config):
 
 def make_model(kind: str):
     cfg_cls, model_cls, extra = MODELS[kind]
-    return random_model(cfg_cls, model_cls, intermediate_size=160, num_hidden_layers=2, vocab_size=211,
-                        max_position_embeddings=256, **extra)
+    return random_model(cfg_cls, model_cls, **{**dict(intermediate_size=160, num_hidden_layers=2, vocab_size=211, pad_token_id=0,
+                                                      max_position_embeddings=256), **extra})
 
 
 def assert_logits_match_through_chunks(model, runner, backend, vocab_size: int) -> None:

@@ -27,6 +27,10 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
             "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b"),
     "moe": ("router", "w13", "w2", "shared_gate"),  # inputs: x, and a shared expert's output when it has one
     "lm_head": ("weight",),
+    # Elementwise steps between nodes (`lowering.ELEMENTWISE_OPS`): no parameters.
+    "add": (),  # inputs a, b: a + b (OLMo 2's residual stream)
+    "scale": (),  # x * attrs["factor"] (Gemma's embedding scale, Granite's multipliers)
+    "soft_cap": (),  # cap * tanh(x / cap) (Gemma 2's final logits)
 }
 
 SHARDS = ("replicated", "column", "row", "vocab")
@@ -47,6 +51,8 @@ class Param:
     shard: str = "replicated"
     parts: tuple[int, ...] = ()
     optional: bool = False
+    # Added to the checkpoint values at load (Gemma's norms store w for a weight of 1 + w).
+    offset: float = 0.0
     # Set by `parallel.shard_graph` on a tensor-parallel rank: per source, None
     # (read whole) or (axis, ((start, stop), ...)), the pieces of it this rank
     # reads, concatenated along that axis; then `pad_rows` zero rows appended
@@ -118,12 +124,16 @@ class Graph:
         if not 0 <= first_layer < end_layer <= self.num_layers:
             raise ValueError(f"stage [{first_layer}, {end_layer}) outside 0..{self.num_layers}")
 
-        def keep(n: Node) -> bool:
+        # Nodes outside the layers belong to the first stage before the first layer
+        # (the embedding and its scaling), to the last one after.
+        first = next((i for i, n in enumerate(self.nodes) if n.layer is not None), len(self.nodes))
+
+        def keep(i: int, n: Node) -> bool:
             if n.layer is not None:
                 return first_layer <= n.layer < end_layer
-            return (n.op == "embedding" and first_layer == 0) or (n.op != "embedding" and end_layer == self.num_layers)
+            return first_layer == 0 if i < first else end_layer == self.num_layers
 
-        nodes = [n for n in self.nodes if keep(n)]
+        nodes = [n for i, n in enumerate(self.nodes) if keep(i, n)]
         used = {p for n in nodes for p in n.params.values()}
         params = {k: v for k, v in self.params.items() if k in used}
         return Graph(self.architecture, self.config, nodes, params, self.num_layers, self.tp_rank, self.tp_size,

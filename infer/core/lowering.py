@@ -7,7 +7,11 @@ has (``split`` columns, ``reshape``, ``rows`` = integer row gather); they move
 no arithmetic and map to standard ONNX ops. A tensor-parallel rank adds two
 more made of elementwise tensor operators every tensor type has, the id range
 check of a vocabulary shard (``vocab_ids``: local ids and a mask; ``mask_rows``:
-zero the masked rows), exported as ops of the ``infer`` domain.
+zero the masked rows), exported as ops of the ``infer`` domain. The graph's
+elementwise nodes (`ELEMENTWISE_OPS`) are of that kind too: ``add`` (a + b),
+``scale`` (x times a constant already rounded to the model dtype) and
+``soft_cap`` (``cap * tanh(x / cap)``, in x's dtype), exported as ONNX's Add,
+Mul and Div/Tanh/Mul.
 
 On a tensor-parallel graph (`core/parallel.py`) every node in `Graph.partial`
 is followed by an ``all_reduce`` over the ``tp`` group, and lm_head's logits
@@ -21,7 +25,8 @@ from typing import Any
 
 from .graph import Graph, Node
 
-VIEW_OPS = ("split", "reshape", "rows", "vocab_ids", "mask_rows")
+ELEMENTWISE_OPS = ("add", "scale", "soft_cap")
+VIEW_OPS = ("split", "reshape", "rows", "vocab_ids", "mask_rows") + ELEMENTWISE_OPS
 TP_GROUP = "tp"  # the process group collectives of a tensor-parallel graph run on
 
 
@@ -83,6 +88,9 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
                               (shape,) * len(node.outputs), node.layer, expansion))
         elif node.op in _EXPANSIONS:
             calls.extend(_EXPANSIONS[node.op](graph, node))
+        elif node.op in ELEMENTWISE_OPS:
+            shape = _node_output_shape(graph, node) if node.op != "soft_cap" else ("S", graph.config.vocab_size)
+            calls.append(Call(node.op, node.name, node.inputs, node.outputs, {}, dict(node.attrs), (shape,), node.layer))
         else:
             raise ValueError(f"node {node.name}: no lowering for {node.op!r} and the backend does not fuse it")
         if node.name in graph.partial:
@@ -131,8 +139,16 @@ def _attention(g: Graph, n: Node) -> list[Call]:
     ]
     for t, heads in (("q", hq), ("k", hk), ("v", hk)):
         calls.append(Call("reshape", name, (v + t,), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L))
-    if "q_norm" in p:
-        # Qwen3 normalises each head's q and k over head_dim before rotary.
+    if "q_norm" in p and a.get("qk_norm") == "whole":
+        # OLMo 2 normalises q and k over the whole projection (all heads) before rotary.
+        for t, heads in (("q", hq), ("k", hk)):
+            calls += [
+                Call("rms_norm", name, (v + t,), (v + t + "n",), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
+                     (("T", heads * d),), L),
+                Call("reshape", name, (v + t + "n",), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L),
+            ]
+    elif "q_norm" in p:
+        # Qwen3 and Gemma 3 normalise each head's q and k over head_dim before rotary.
         for t, heads in (("q", hq), ("k", hk)):
             calls += [
                 Call("reshape", name, (v + t + "3",), (v + t + "2",), {}, {"shape": (-1, d)}, ((f"T*{heads}", d),), L),
@@ -140,9 +156,10 @@ def _attention(g: Graph, n: Node) -> list[Call]:
                      ((f"T*{heads}", d),), L),
                 Call("reshape", name, (v + t + "n",), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L),
             ]
+    if a["rotary_dim"]:  # SmolLM3's layers without rope have none
+        calls.append(Call("rotary", name, (v + "q3", v + "k3", positions), (v + "q3", v + "k3"), {},
+                          {"rotary_dim": a["rotary_dim"], "neox_style": a["neox_style"]}, (("T", hq, d), ("T", hk, d)), L))
     calls += [
-        Call("rotary", name, (v + "q3", v + "k3", positions), (v + "q3", v + "k3"), {},
-             {"rotary_dim": a["rotary_dim"], "neox_style": a["neox_style"]}, (("T", hq, d), ("T", hk, d)), L),
         Call("kv_write", name, (v + "k3", v + "v3"), (), {}, {}, (), L),
         Call("attention", name, (v + "q3",), (v + "o3",), {},
              {"scale": a["scale"], "sliding_window": a["sliding_window"], "soft_cap": a["soft_cap"]}, (("T", hq, d),), L),

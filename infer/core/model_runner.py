@@ -56,9 +56,9 @@ class ModelRunner:
         self.tensors: dict[str, Any] = {}
         self._handles: dict[tuple, DenseWeight] = {}
         self.max_positions = max_positions
-        # One cos/sin table per rotary dim the program uses, shared by every layer.
-        dims = {c.attrs["rotary_dim"] for c in program.primitive_calls() if c.primitive == "rotary"}
-        self._rope = {d: backend.asarray(cos_sin_cache(self.config.raw, d, max_positions)) for d in sorted(dims)}
+        # One cos/sin table per rotary dim and rope variant the program uses (Gemma 3's
+        # local layers have their own base), shared by the layers that use it.
+        self._rope = self._rope_tables(program, backend, max_positions)
         # The decoder layers this program runs (a pipeline stage runs a range of them);
         # KV caches exist for these only, in this order.
         self.layers = sorted({n.layer for n in program.graph.nodes if n.op == "attention"})
@@ -76,6 +76,21 @@ class ModelRunner:
         self.attention_key: dict[str, Any] = {}  # the dispatch key of the attention calls (set when bound)
         self._steps: list[Callable[[dict], None]] = []
         self._checked_steps: list[Callable[[dict], None]] = []  # the first forward's; `_validated` set with them
+
+    def _rope_tables(self, program: Program, backend, max_positions: int) -> dict[int, dict[int, Any]]:
+        """layer -> {rotary_dim: cos/sin table} for the layers with rotary calls."""
+        variant = {n.layer: n.attrs.get("rope") for n in program.graph.nodes if n.op == "attention"}
+        tables: dict[tuple, Any] = {}
+        per_layer: dict[int, dict[int, Any]] = {}
+        for c in program.primitive_calls():
+            if c.primitive != "rotary":
+                continue
+            d, name = c.attrs["rotary_dim"], variant.get(c.layer)
+            if (d, name) not in tables:
+                params = self.config.rope_variants[name] if name else self.config.rope
+                tables[d, name] = backend.asarray(cos_sin_cache(self.config.raw, d, max_positions, params))
+            per_layer.setdefault(c.layer, {})[d] = tables[d, name]
+        return per_layer
 
     # -- binding --------------------------------------------------------------
     # Names a checkpoint gives a layer's fp8 KV scales, relative to the attention
@@ -122,11 +137,16 @@ class ModelRunner:
         else:
             parts = [weights[s] for s in p.sources]
         if any(isinstance(x, WeightHandle) for x in parts):
+            if p.offset:
+                raise ValueError(f"{name}: a quantized checkpoint tensor cannot take the offset {p.offset} "
+                                 "this architecture adds to it")
             handle = quant_params.concat_rows(parts)
             if p.pad_rows:
                 handle = quant_params.pad_rows(handle, p.pad_rows)
             return quant_params.to_backend(handle, self.backend, self.dtype, p.shape, name)
         arr = np.concatenate([np.asarray(x) for x in parts]) if len(parts) > 1 else parts[0]
+        if p.offset:
+            arr = np.asarray(arr, dtype=np.float32) + np.float32(p.offset)
         if p.pad_rows:
             arr = np.concatenate([np.asarray(arr), np.zeros((p.pad_rows,) + arr.shape[1:], arr.dtype)])
         if self.quantization == "fp8" and name in self._fp8_params:
@@ -155,7 +175,7 @@ class ModelRunner:
         for name in progress(list(dict.fromkeys(first + list(params)))):
             p = params[name]
             # Tied parameters (the same slices of one tensor) share one; sourceless ones (LoRA stacks) never do.
-            key = (p.sources, p.slices, p.zeros) if p.sources else (name,)
+            key = (p.sources, p.slices, p.zeros, p.offset) if p.sources else (name,)
             if key not in built:
                 built[key] = self._load_param(name, weights)
             self.tensors[name] = built[key]
@@ -206,7 +226,8 @@ class ModelRunner:
             else:
                 self.kv_caches = [self.backend.asarray(np.zeros(owner.kv_cache_shape(*shape), np.uint8)) for _ in layers]
         fp8 = self.kv_cache_dtype == "fp8"
-        self.contexts = {i: LayerContext(i, cache, self.kv_cache_dtype, self.kv_scales[i] if fp8 else None, self._rope)
+        self.contexts = {i: LayerContext(i, cache, self.kv_cache_dtype, self.kv_scales[i] if fp8 else None,
+                                         self._rope.get(i, {}))
                          for i, cache in zip(layers, self.kv_caches)}
         fast = self.ops.unchecked()
         self._checked_steps = [self._bind(c, self.ops) for c in self.program.calls]
@@ -237,7 +258,7 @@ class ModelRunner:
 
     def _bind(self, c: Call, ops) -> Callable[[dict], None]:
         if c.primitive in VIEW_OPS:
-            return _bind_view(c)
+            return _bind_view(c, self.dtype)
         if c.primitive.startswith("fused_"):
             return self._bind_fused(c, ops)
         return self._bind_primitive(c, ops)
@@ -363,9 +384,26 @@ class _Slot:
         self.name = name
 
 
-def _bind_view(c: Call) -> Callable[[dict], None]:
-    """split / reshape / rows: views every tensor type has (see `lowering.VIEW_OPS`)."""
+def _bind_view(c: Call, dtype: str = "float32") -> Callable[[dict], None]:
+    """split / reshape / rows and the elementwise ops: what every tensor type has (see `lowering.VIEW_OPS`)."""
     ins, outs, a = c.inputs, c.outputs, c.attrs
+    if c.primitive == "add":
+        def run(env):
+            env[outs[0]] = env[ins[0]] + env[ins[1]]
+        return run
+    if c.primitive == "scale":
+        factor = _round_to(a["factor"], dtype) if a.get("rounded") else float(a["factor"])
+
+        def run(env):
+            env[outs[0]] = env[ins[0]] * factor
+        return run
+    if c.primitive == "soft_cap":
+        cap = float(a["cap"])
+
+        def run(env):
+            x = env[ins[0]] / cap
+            env[outs[0]] = (x.tanh() if hasattr(x, "tanh") else np.tanh(x)) * cap
+        return run
     if c.primitive == "split":
         bounds = [int(b) for b in np.cumsum((0,) + tuple(a["sizes"]))]
         pieces = tuple((o, slice(lo, hi)) for o, lo, hi in zip(outs, bounds[:-1], bounds[1:]))
@@ -393,6 +431,15 @@ def _bind_view(c: Call) -> Callable[[dict], None]:
         def run(env):
             env[outs[0]] = env[ins[0]][env[ins[1]]]
     return run
+
+
+def _round_to(value: float, dtype: str) -> float:
+    """`value` rounded to `dtype` (what a model computing in that dtype multiplies by)."""
+    if dtype == "bfloat16":
+        bits = int(np.float32(value).view(np.uint32))
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # round to nearest even
+        return float(np.uint32(bits).view(np.float32))
+    return float(np.dtype(dtype).type(value)) if dtype in ("float16", "float32") else float(value)
 
 
 def _read_pieces(weights: Mapping[str, Any], source: str, spec):

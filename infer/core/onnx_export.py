@@ -52,9 +52,15 @@ def to_onnx(program: Program, block_size: int = 16):
         inputs.append(tensor(f"kv_cache.{layer}", dtype, [2] + cache_shape))
         version[f"kv_cache.{layer}"] = 0
     calls = program.primitive_calls()  # a fused call is exported as the primitives it stands for
-    rotary_dims = sorted({c.attrs["rotary_dim"] for c in calls if c.primitive == "rotary"})
-    for r in rotary_dims:
-        inputs.append(tensor(f"cos_sin_cache.{r}", dtype, ["max_positions", r]))
+    # one table per rotary dim and rope variant (Gemma 3's local layers: cos_sin_cache.<dim>.sliding_attention)
+    variant = {n.layer: n.attrs.get("rope") for n in g.nodes if n.op == "attention"}
+
+    def table(c) -> str:
+        v = variant.get(c.layer)
+        return f"cos_sin_cache.{c.attrs['rotary_dim']}" + (f".{v}" if v else "")
+
+    for name in sorted({table(c) for c in calls if c.primitive == "rotary"}):
+        inputs.append(tensor(name, dtype, ["max_positions", int(name.split(".")[1])]))
 
     for i, c in enumerate(calls):
         args = [read(x) for x in c.inputs]
@@ -70,10 +76,22 @@ def to_onnx(program: Program, block_size: int = 16):
             nodes.append(helper.make_node("Reshape", args + [shape], [write(o) for o in c.outputs]))
         elif c.primitive == "rows":
             nodes.append(helper.make_node("Gather", args, [write(o) for o in c.outputs], axis=0))
+        elif c.primitive == "add":
+            nodes.append(helper.make_node("Add", args, [write(o) for o in c.outputs]))
+        elif c.primitive in ("scale", "soft_cap"):
+            const = f"const.{i}"
+            value = c.attrs["factor"] if c.primitive == "scale" else c.attrs["cap"]
+            inits.append(helper.make_tensor(const, dtype, [], [float(value)]))
+            if c.primitive == "scale":
+                nodes.append(helper.make_node("Mul", args + [const], [write(o) for o in c.outputs]))
+            else:
+                nodes.append(helper.make_node("Div", args + [const], [f"capped.{i}"]))
+                nodes.append(helper.make_node("Tanh", [f"capped.{i}"], [f"tanh.{i}"]))
+                nodes.append(helper.make_node("Mul", [f"tanh.{i}", const], [write(o) for o in c.outputs]))
         else:
             extra, outs = [], [write(o) for o in c.outputs]
             if c.primitive == "rotary":
-                extra = [f"cos_sin_cache.{c.attrs['rotary_dim']}"]
+                extra = [table(c)]
             elif c.primitive == "kv_write":
                 cache = f"kv_cache.{c.layer}"
                 extra, outs = [read(cache), "slot_mapping"], [write(cache)]

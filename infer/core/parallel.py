@@ -93,6 +93,9 @@ def shard_graph(graph: Graph, rank: int, size: int) -> Graph:
     params = {name: _shard_param(p, roles.get(name, ""), heads, d, rank, size) for name, p in graph.params.items()}
     nodes = []
     for node in graph.nodes:
+        if node.op == "attention" and node.attrs.get("qk_norm") == "whole" and "q_norm" in node.params:
+            raise ValueError(f"{graph.architecture} normalises q and k over all heads at once; "
+                             "tensor parallelism would need them gathered first, which infer does not do yet")
         if node.op == "attention":
             node = dataclasses.replace(node, attrs={**node.attrs, "num_heads": heads.num_heads,
                                                      "num_kv_heads": heads.num_kv_heads})

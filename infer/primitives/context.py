@@ -20,8 +20,10 @@ class LayerContext:
       kv_cache        this layer's cache, as the backend that writes it allocated it.
       kv_cache_dtype  'auto' (the model dtype) or 'fp8'.
       kv_scales       (k_scale, v_scale) of an fp8 cache; None otherwise.
-      rope            rotary_dim -> cos/sin table [max_position, rotary_dim]
-                      (`spec.rotary`'s ``cos_sin_cache``), on the device.
+      rope            rotary_dim -> this layer's cos/sin table [max_position, rotary_dim]
+                      (`spec.rotary`'s ``cos_sin_cache``), on the device; layers of
+                      one rope variant share a table (Gemma 3's local layers have
+                      their own base); empty for a layer without rope (SmolLM3).
     """
 
     layer: int

@@ -29,7 +29,7 @@ def rotary(q, k, positions, cos_sin_cache, neox_style):
 
 
 def act_and_mul(x, kind):
-    return _served(native.silu_and_mul(x)) if kind == "silu" else NotImplemented
+    return _served(native.silu_and_mul(x, kind)) if kind in ("silu", "gelu_tanh") else NotImplemented
 
 
 def kv_write(k, v, kv_cache, slot_mapping, scales=None):
@@ -39,11 +39,11 @@ def kv_write(k, v, kv_cache, slot_mapping, scales=None):
 
 def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None):
     plan = meta.plan
-    if soft_cap is not None or not isinstance(plan, LazyPlan):
+    if not isinstance(plan, LazyPlan):
         return NotImplemented
     work = plan.row_keys * q.shape[1] * q.shape[2]
     return _served(native.attention(q, kv_cache, meta, scale, sliding_window, work,
-                                    (1.0, 1.0) if kv_scales is None else kv_scales, plan.request_keys))
+                                    (1.0, 1.0) if kv_scales is None else kv_scales, plan.request_keys, soft_cap))
 
 
 def linear(x, weight):

@@ -4,10 +4,10 @@ A decode step of SmolLM2 runs ~15 primitives and views per layer, each a
 Python call of a few microseconds around a kernel of a few more; for int4
 weights (the GGUF/AWQ/GPTQ kinds kept quantized), and for dense bf16 weights
 with bf16 activations on a CPU with AVX512-BF16, the native library runs the
-attention block (qkv GEMV, rotary, kv_write, attention, o GEMV) and the MLP
-(gate_up GEMV, SiLU-and-mul, down GEMV) whole, through the same kernels and
+attention block (qkv GEMV, q/k norms, rotary, kv_write, attention, o GEMV) and the MLP
+(gate_up GEMV, SiLU- or GELU-tanh-and-mul, down GEMV) whole, through the same kernels and
 roundings as the primitives. Anything else (prefill-sized batches, other weight
-kinds, fp8 caches, q/k norms, soft-caps) is declined step by step, and the
+kinds, fp8 caches, layers without rope) is declined step by step, and the
 runner runs the node's primitives instead.
 """
 
@@ -58,12 +58,15 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
 
     def build():
         qkv, o = _gemv(params.get("qkv_proj")), _gemv(params.get("o_proj"))
-        if qkv is None or o is None or "q_norm" in params or attrs["soft_cap"] is not None \
-                or ctx.kv_cache_dtype == "fp8":
+        if qkv is None or o is None or not attrs["rotary_dim"] or ctx.kv_cache_dtype == "fp8":
             return None
         heads = (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"])
+        norms = None
+        if "q_norm" in params:
+            norms = (params["q_norm"], params["k_norm"], attrs.get("qk_norm") == "whole", attrs["eps"])
         return native.attention_block_layer(qkv, o, ctx.cos_sin_cache(attrs["rotary_dim"]), attrs["neox_style"],
-                                            ctx.kv_cache, heads, attrs["scale"], attrs["sliding_window"])
+                                            ctx.kv_cache, heads, attrs["scale"], attrs["sliding_window"],
+                                            attrs["soft_cap"], norms)
 
     packed = _layer_memo(params, build, ctx.kv_cache)
     if packed is False or not _takes(x, packed, params["qkv_proj"], params["o_proj"]):
@@ -80,9 +83,9 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
 def mlp(x, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
     def build():
         gate_up, down = _gemv(params.get("gate_up_proj")), _gemv(params.get("down_proj"))
-        if gate_up is None or down is None or attrs["act"] != "silu":
+        if gate_up is None or down is None:
             return None
-        return native.mlp_layer(gate_up, down, x.dtype)
+        return native.mlp_layer(gate_up, down, x.dtype, attrs["act"])
 
     packed = _layer_memo(params, build)
     if packed is False or not _takes(x, packed, params["gate_up_proj"], params["down_proj"]):

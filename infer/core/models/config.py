@@ -33,6 +33,26 @@ class ModelConfig:
     sliding_window_layers: tuple[int, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer kinds ("sliding_attention" / "full_attention": Gemma 2/3); None: the window rule above.
+    layer_types: tuple[str, ...] | None = None
+    # Rope settings per layer type where a type has its own (Gemma 3's local layers).
+    rope_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: False for the layers without rope
+    neox_style: bool = True  # False: GPT-J's interleaved pairs (GLM-4)
+    qk_norm_whole: bool = False  # OLMo 2: q/k norms over the whole projection, not per head
+    # "pre" (Llama), "sandwich" (Gemma 2/3, GLM-4: norms after attention and MLP too),
+    # "post" (OLMo 2: only after them)
+    norm_layout: str = "pre"
+    norm_offset: float = 0.0  # Gemma: a norm weight w scales by 1 + w
+    fused_qkv: bool = False  # Phi-3: one qkv_proj tensor in the checkpoint
+    fused_gate_up: bool = False  # Phi-3, GLM-4: one gate_up_proj tensor
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    embed_scale: float | None = None
+    embed_scale_rounded: bool = False  # Gemma multiplies by the scale in the model dtype
+    residual_scale: float | None = None  # Granite: attention and MLP outputs scaled before the residual add
+    logit_scale: float | None = None  # Granite: logits / logits_scaling
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -46,9 +66,19 @@ class ModelConfig:
     def window_for(self, layer: int) -> int | None:
         if self.sliding_window is None:
             return None
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
         if self.sliding_window_layers is not None and layer not in self.sliding_window_layers:
             return None
         return self.sliding_window
+
+    def rope_for(self, layer: int) -> str | None:
+        """The rope variant of layer i (a key of `rope_variants`), None for the config's own."""
+        kind = self.layer_types[layer] if self.layer_types is not None else None
+        return kind if kind in self.rope_variants else None
+
+    def rotary_dim_for(self, layer: int) -> int:
+        return self.rotary_dim if self.rope_layers is None or self.rope_layers[layer] else 0
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -63,12 +93,19 @@ def _require(cfg: dict, key: str):
     return cfg[key]
 
 
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
 def normalize_config(cfg: dict) -> ModelConfig:
-    """Read the Llama-family fields of an HF config (Llama, Mistral, Qwen2, Qwen3)."""
+    """Read the fields of an HF config the dense decoders use: the Llama family
+    (Llama, Mistral, Qwen2, Qwen3) and what sets Gemma 2/3, Phi-3, Granite,
+    OLMo 2, SmolLM3 and GLM-4 apart from it."""
     arch = (cfg.get("architectures") or [""])[0]
     hidden, heads = int(_require(cfg, "hidden_size")), int(_require(cfg, "num_attention_heads"))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rotary_dim = int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
+    # transformers 5 keeps partial_rotary_factor in rope_parameters, older configs beside them
+    partial = cfg.get("partial_rotary_factor") or rope_parameters(cfg).get("partial_rotary_factor") or 1.0
+    rotary_dim = int(head_dim * float(partial))
     layers = int(_require(cfg, "num_hidden_layers"))
     window = cfg.get("sliding_window")
     window_layers = None
@@ -80,6 +117,17 @@ def normalize_config(cfg: dict) -> ModelConfig:
         else:
             window_layers = tuple(range(int(cfg.get("max_window_layers", 0)), layers))
     attention_bias = bool(cfg.get("attention_bias", False))
+    if arch == "SmolLM3ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if arch in GEMMA:
+        layer_types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % (2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern", 6))) == 0
+            else "sliding_attention" for i in range(layers)]
+    else:
+        layer_types = cfg.get("layer_types")
+    if layer_types is not None and len(layer_types) != layers:
+        raise ValueError(f"config.json's layer_types has {len(layer_types)} entries for {layers} layers")
+    extra = _architecture_fields(arch, cfg, hidden, head_dim, layers)
     return ModelConfig(
         architecture=arch,
         hidden_size=hidden,
@@ -93,15 +141,49 @@ def normalize_config(cfg: dict) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         rotary_dim=rotary_dim,
         rope=rope_parameters(cfg),
-        hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-        o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
+        o_bias=attention_bias and arch != "Glm4ForCausalLM",  # GLM-4 biases q/k/v only
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
         sliding_window=int(window) if window else None,
         sliding_window_layers=window_layers,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
+        layer_types=tuple(layer_types) if layer_types is not None else None,
         raw=cfg,
+        **extra,
     )
+
+
+def _architecture_fields(arch: str, cfg: dict, hidden: int, head_dim: int, layers: int) -> dict[str, Any]:
+    """The ModelConfig fields an architecture sets beyond the Llama family's."""
+    if arch in GEMMA:
+        scalar = cfg.get("query_pre_attn_scalar")
+        variants = {}
+        if arch == "Gemma3ForCausalLM":
+            local = rope_parameters(cfg, "sliding_attention")
+            if not isinstance((cfg.get("rope_parameters") or {}).get("sliding_attention"), dict):
+                # transformers 4 configs: the local base alone, no scaling
+                local = {"rope_type": "default", "rope_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
+            variants["sliding_attention"] = local
+        return dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=hidden**0.5, embed_scale_rounded=True,
+                    attn_scale=float(scalar) ** -0.5 if scalar else None,
+                    attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"),
+                    rope_variants=variants)
+    if arch == "Phi3ForCausalLM":
+        return dict(fused_qkv=True, fused_gate_up=True)
+    if arch == "GraniteForCausalLM":
+        return dict(attn_scale=cfg.get("attention_multiplier"), embed_scale=cfg.get("embedding_multiplier"),
+                    residual_scale=cfg.get("residual_multiplier"),
+                    logit_scale=1.0 / float(cfg["logits_scaling"]) if cfg.get("logits_scaling") else None)
+    if arch == "Olmo2ForCausalLM":
+        return dict(norm_layout="post", qk_norm_whole=True)
+    if arch == "SmolLM3ForCausalLM":
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        return dict(rope_layers=tuple(bool(f) for f in flags))
+    if arch == "Glm4ForCausalLM":
+        return dict(norm_layout="sandwich", fused_gate_up=True, neox_style=False)
+    return {}

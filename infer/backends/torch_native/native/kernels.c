@@ -374,6 +374,23 @@ int infer_openmp(void) { return 0; }
         return 0;                                                                                           \
     }
 
+/* ---- gelu_tanh(x[:, :h]) * x[:, h:] (Gemma's GeGLU) --------------------------------- */
+#define DEF_GELU_TANH_AND_MUL(SUF, T, LD, ST)                                                               \
+    int infer_gelu_tanh_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) { \
+        PAR_FOR(rows * h)                                                                                   \
+        for (int64_t r = 0; r < rows; r++) {                                                                \
+            const T *g = x + r * xs, *u = g + h;                                                            \
+            T *o = out + r * h;                                                                             \
+            for (int64_t i = 0; i < h; i++) {                                                               \
+                /* 0.5 a (1 + tanh(y)) = a / (1 + exp(-2y)): SiLU's form, which gcc vectorises */            \
+                float a = LD(g[i]);                                                                         \
+                float y = 0.7978845608028654f * (a + 0.044715f * a * a * a);                                \
+                o[i] = ST(a / (1.0f + exp_f32(-2.0f * y)) * LD(u[i]));                                      \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+
 /* ---- kv_write: rows of k and v (hk * d contiguous values each) into their slots ------
  * cache [2, nslots, hk * d]; slot -1 skips a (padded) row.
  */
@@ -497,6 +514,7 @@ typedef struct {
     const int64_t *unit_item; /* [units] the (row * hk + KV head) of each unit */
     const int64_t *unit_key;  /* [units] its first key (from the row's first visible key) */
     float scale, k_scale, v_scale;
+    float softcap;            /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
     float *partial;           /* [units][group][d + 2]: max, sum of exp, then P @ V */
     _Atomic int failed;
 } att_job;
@@ -560,6 +578,8 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
                 const float *kv = widen_##NAME(cache + offs[p], d, j->k_scale, kf);                         \
                 for (int64_t hh = 0; hh < group; hh++) scores[hh * n + p] = dot_fma(qf + hh * d, kv, d) * j->scale; \
             }                                                                                               \
+            if (j->softcap > 0.0f)                                                                          \
+                for (int64_t p = 0; p < group * n; p++) scores[p] = j->softcap * tanhf(scores[p] / j->softcap); \
             float *part_out = j->partial + u * group * (d + 2);                                             \
             for (int64_t hh = 0; hh < group; hh++) {                                                        \
                 float *sc = scores + hh * n, m = -INFINITY, sum = 0.0f, *acc = part_out + hh * (d + 2) + 2; \
@@ -584,7 +604,8 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
                                const C *cache, int64_t nblocks, int64_t bs, int64_t hk, int64_t d,           \
                                const int32_t *block_table, int64_t bt_stride, int64_t bt_width,              \
                                const int32_t *qsl, const int32_t *seq_lens, int64_t nseq, float scale,       \
-                               int64_t window, T *out, float k_scale, float v_scale, int64_t threads) {     \
+                               int64_t window, T *out, float k_scale, float v_scale, float softcap,         \
+                               int64_t threads) {                                                           \
         int64_t group = hq / hk, kv_row = hk * d;                                                           \
         for (int64_t b = 0; b < nseq; b++) {                                                                \
             int64_t lo = qsl[b], hi = qsl[b + 1], len = seq_lens[b];                                        \
@@ -605,7 +626,7 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
             for (int64_t r = qsl[b]; r < qsl[b + 1]; r++) row_req[r] = b;                                   \
         att_job job = {q, q_ts, q_hs, hq, hk, d, group, bs, kv_row, window, cache, cache + nblocks * bs * kv_row, \
                        block_table, bt_stride, qsl, seq_lens, row_req, NULL, NULL, scale, k_scale, v_scale,  \
-                       NULL, 0};                                                                            \
+                       softcap, NULL, 0};                                                                   \
         int64_t units = 0;                                                                                  \
         for (int64_t r = 0; r < ntok; r++) {                                                                \
             if (row_req[r] < 0) continue;                                                                   \
@@ -1364,6 +1385,8 @@ DEF_ROTARY(f32, float, f32_load, f32_store)
 DEF_ROTARY(bf16, uint16_t, bf16_load, bf16_store)
 DEF_SILU_AND_MUL(f32, float, f32_load, f32_store)
 DEF_SILU_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
+DEF_GELU_TANH_AND_MUL(f32, float, f32_load, f32_store)
+DEF_GELU_TANH_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
 #if BF16_DOT
 /* exp_f32 on 16 lanes: the same operations in the same order, so the same results (NaN included). */
 static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
@@ -1445,6 +1468,10 @@ static inline __attribute__((always_inline)) void att_bf16_unit(const att_job *j
             _mm_storeu_ps(scores + hh * ATT_CHUNK + p0, s4); /* ATT_CHUNK is a multiple of 4: in bounds */
         }
     }
+    if (j->softcap > 0.0f)
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t p = 0; p < n; p++)
+                scores[hh * ATT_CHUNK + p] = j->softcap * tanhf(scores[hh * ATT_CHUNK + p] / j->softcap);
     for (int64_t p = 0; p < n; p++) { /* V rows widened once for every query head */
         const uint16_t *vr = vcache + offs[p];
 #pragma GCC unroll 16
@@ -1660,9 +1687,9 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
 /* ---- a decode step's attention block and MLP, one call each ---------------------------
  * What the runner does with the primitives of these nodes, through the kernels above and
  * with the same roundings, minus a Python call (and a few tensor views) between each two:
- *   attention block: qkv = x @ Wqkv (int4) -> rotary(q, k) -> kv_write(k, v) -> attention(q)
+ *   attention block: qkv = x @ Wqkv (int4) -> [q/k norms] -> rotary(q, k) -> kv_write(k, v) -> attention(q)
  *                    -> out = o @ Wo (int4);
- *   MLP:             out = silu_and_mul(x @ Wgate_up) @ Wdown (int4 both).
+ *   MLP:             out = silu_and_mul (or gelu_tanh_and_mul)(x @ Wgate_up) @ Wdown (int4 both).
  * An int4 weight is (q, scales, offsets, group, half) as in infer_int4_gemm; with bf16
  * activations a weight may also be dense bf16 (its pointer as q, scales NULL: layer_gemm).
  */
@@ -1675,12 +1702,26 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
                                     int64_t nblocks, int64_t bs, int64_t hq, int64_t hk, int64_t d,          \
                                     const int64_t *slots, const int32_t *block_table, int64_t bt_stride,     \
                                     int64_t bt_width, const int32_t *qsl, const int32_t *seq_lens,           \
-                                    int64_t nseq, float scale, int64_t window, T *out, int64_t threads) {    \
+                                    int64_t nseq, float scale, int64_t window, float softcap,                \
+                                    const T *qn, const T *kn, int64_t qk_whole, float eps, T *out,           \
+                                    int64_t threads) {                                                        \
         int64_t nqkv = (hq + 2 * hk) * d, nqk = (hq + hk) * d;                                              \
         T *qkv = (T *)malloc(sizeof(T) * rows * (nqkv + nqk + hq * d));                                     \
         if (!qkv) return -2;                                                                                \
         T *rotated = qkv + rows * nqkv, *att = rotated + rows * nqk;                                        \
         int rc = layer_gemm_##SUF(wq, sq, oq, gq, fq, x, hidden, rows, hidden, qkv, nqkv, threads);     \
+        /* q/k norms (Qwen3, Gemma 3: each head over d; OLMo 2: all heads at once), in place */             \
+        for (int64_t t = 0; rc == 0 && qn && t < rows; t++) {                                               \
+            T *qr = qkv + t * nqkv, *kr = qr + hq * d;                                                      \
+            if (qk_whole) {                                                                                 \
+                rc = infer_rms_norm_##SUF(qr, hq * d, NULL, 0, qn, qr, hq * d, NULL, 0, 1, hq * d, eps);     \
+                if (rc == 0)                                                                                \
+                    rc = infer_rms_norm_##SUF(kr, hk * d, NULL, 0, kn, kr, hk * d, NULL, 0, 1, hk * d, eps); \
+            } else {                                                                                        \
+                rc = infer_rms_norm_##SUF(qr, d, NULL, 0, qn, qr, d, NULL, 0, hq, d, eps);                   \
+                if (rc == 0) rc = infer_rms_norm_##SUF(kr, d, NULL, 0, kn, kr, d, NULL, 0, hk, d, eps);      \
+            }                                                                                               \
+        }                                                                                                   \
         if (rc == 0)                                                                                        \
             rc = infer_rotary_##SUF(qkv, nqkv, d, hq, qkv + hq * d, nqkv, d, hk, positions, cos_sin, npos,  \
                                     rot, neox, rotated, rows, d);                                           \
@@ -1690,19 +1731,22 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
         if (rc == 0)                                                                                        \
             rc = infer_attention_##SUF(rotated, nqk, d, rows, hq, cache, nblocks, bs, hk, d, block_table,   \
                                        bt_stride, bt_width, qsl, seq_lens, nseq, scale, window, att, 1.0f,   \
-                                       1.0f, threads);                                                      \
+                                       1.0f, softcap, threads);                                             \
         if (rc == 0) rc = layer_gemm_##SUF(wo, so, oo, go, fo, att, hq * d, rows, hq * d, out, hidden, threads); \
         free(qkv);                                                                                          \
         return rc;                                                                                          \
     }                                                                                                       \
     int infer_mlp_##SUF(const T *x, int64_t rows, int64_t hidden, int64_t inter, const uint8_t *wg,         \
                         const void *sg, const void *og, int64_t gg, int64_t fg, const uint8_t *wd,           \
-                        const void *sd, const void *od, int64_t gd, int64_t fd, T *out, int64_t threads) {   \
+                        const void *sd, const void *od, int64_t gd, int64_t fd, int64_t gelu, T *out,        \
+                        int64_t threads) {                                                                    \
         T *gate_up = (T *)malloc(sizeof(T) * rows * 3 * inter);                                             \
         if (!gate_up) return -2;                                                                            \
         T *act = gate_up + rows * 2 * inter;                                                                \
         int rc = layer_gemm_##SUF(wg, sg, og, gg, fg, x, hidden, rows, hidden, gate_up, 2 * inter, threads); \
-        if (rc == 0) rc = infer_silu_and_mul_##SUF(gate_up, 2 * inter, act, rows, inter);                   \
+        if (rc == 0)                                                                                        \
+            rc = gelu ? infer_gelu_tanh_and_mul_##SUF(gate_up, 2 * inter, act, rows, inter)                 \
+                      : infer_silu_and_mul_##SUF(gate_up, 2 * inter, act, rows, inter);                     \
         if (rc == 0) rc = layer_gemm_##SUF(wd, sd, od, gd, fd, act, inter, rows, inter, out, hidden, threads); \
         free(gate_up);                                                                                      \
         return rc;                                                                                          \
@@ -1713,9 +1757,10 @@ DEF_FUSED(bf16, uint16_t)
 
 /* The same two with their arguments packed (one ctypes argument instead of ~30: ~3 us a call):
  *   layer[] = {wq, sq, oq, gq, fq, wo, so, oo, go, fo, cos_sin, npos, rot, neox, cache, nblocks, bs,
- *              hq, hk, d, hidden, window}   (fixed for a layer)
+ *              hq, hk, d, hidden, window, softcap (float32 bits; 0: none), q_norm, k_norm (NULL: none),
+ *              qk_whole, eps (float32 bits)}   (fixed for a layer)
  *   step[]  = {slots, block_table, bt_stride, bt_width, qsl, seq_lens, nseq}   (fixed for a step)
- *   mlp[]   = {wg, sg, og, gg, fg, wd, sd, od, gd, fd, hidden, inter}
+ *   mlp[]   = {wg, sg, og, gg, fg, wd, sd, od, gd, fd, hidden, inter, gelu (0: SiLU, 1: GELU tanh)}
  * Pointers travel as int64. */
 #define P(i, TYPE) ((TYPE)(intptr_t)a[i])
 #define DEF_PACKED(SUF, T)                                                                                  \
@@ -1729,12 +1774,13 @@ DEF_FUSED(bf16, uint16_t)
                                            a[16], a[17], a[18], a[19], (const int64_t *)(intptr_t)m[0],      \
                                            (const int32_t *)(intptr_t)m[1], m[2], m[3],                     \
                                            (const int32_t *)(intptr_t)m[4], (const int32_t *)(intptr_t)m[5], \
-                                           m[6], scale, a[21], out, threads);                               \
+                                           m[6], scale, a[21], *(const float *)&a[22], P(23, const T *),    \
+                                           P(24, const T *), a[25], *(const float *)&a[26], out, threads);  \
     }                                                                                                       \
     int infer_mlp_packed_##SUF(const T *x, int64_t rows, const int64_t *a, T *out, int64_t threads) {        \
         return infer_mlp_##SUF(x, rows, a[10], a[11], P(0, const uint8_t *), P(1, const void *),             \
                                P(2, const void *), a[3], a[4], P(5, const uint8_t *), P(6, const void *),    \
-                               P(7, const void *), a[8], a[9], out, threads);                               \
+                               P(7, const void *), a[8], a[9], a[12], out, threads);                        \
     }
 
 DEF_PACKED(f32, float)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import bf16_dot, library, openmp
@@ -127,7 +128,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_ca
     return out[:, :hq], out[:, hq:]
 
 
-def silu_and_mul(x: torch.Tensor):
+def silu_and_mul(x: torch.Tensor, kind: str = "silu"):
+    """act(x[:, :h]) * x[:, h:] for act SiLU or (kind 'gelu_tanh') GELU's tanh form; None
+    where the kernel does not apply."""
     lib = _lib(x)
     if lib is None or not _rows(x, _limit(SILU_MAX_ROWS)) or x.shape[1] % 2:
         return None
@@ -135,7 +138,8 @@ def silu_and_mul(x: torch.Tensor):
         return None  # on the team: float32 from SILU_PAR_MIN_ROWS only
     rows, h = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, h), dtype=x.dtype)
-    _check(_fn(lib, "silu_and_mul", x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), rows, h),
+    name = "gelu_tanh_and_mul" if kind == "gelu_tanh" else "silu_and_mul"
+    _check(_fn(lib, name, x.dtype)(x.data_ptr(), x.stride(0), out.data_ptr(), rows, h),
            "act_and_mul")
     return out
 
@@ -195,10 +199,11 @@ def _attention_fits(work: int, request_keys: int, bf16_path: bool) -> bool:
 
 
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
-              work: int, kv_scales: tuple[float, float] | None = None, request_keys: int = -1):
+              work: int, kv_scales: tuple[float, float] | None = None, request_keys: int = -1,
+              soft_cap: float | None = None):
     """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller
     plans it once a step); `request_keys`: the most query rows x keys of one request (-1:
-    unknown). An fp8 (uint8) cache takes `kv_scales`.
+    unknown). An fp8 (uint8) cache takes `kv_scales`; `soft_cap` caps scores as `spec.attention`.
 
     Split over torch's threads when the kernels run on its OpenMP team; with their own pool,
     one thread: between torch ops, that pool and torch's spinning OpenMP threads take each
@@ -229,7 +234,7 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
               meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale),
-              torch.get_num_threads() if openmp() else 1),
+              float(soft_cap or 0.0), torch.get_num_threads() if openmp() else 1),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
 
@@ -404,10 +409,21 @@ def _pack(values, keep, **kw) -> Packed:
 
 def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNative, cos_sin: torch.Tensor,
                           neox_style: bool,
-                          kv_cache: torch.Tensor, heads: tuple[int, int, int], scale: float, window: int | None):
+                          kv_cache: torch.Tensor, heads: tuple[int, int, int], scale: float, window: int | None,
+                          soft_cap: float | None = None, qk_norms: tuple | None = None):
     """A layer's side of `attention_block`, checked and packed, or None when the kernels cannot
-    serve it. `heads` is (query heads, KV heads, head_dim)."""
+    serve it. `heads` is (query heads, KV heads, head_dim); `qk_norms` (q weight, k weight,
+    whole, eps): RMSNorm of q and k before rotary, per head (weights [d]) or over all heads
+    of the projection (``whole``, weights [hq * d] and [hk * d])."""
     hq, hk, d = heads
+    norms = (0, 0, 0, 0)
+    if qk_norms is not None:
+        qw, kw, whole, eps = qk_norms
+        want = ((hq * d,), (hk * d,)) if whole else ((d,), (d,))
+        if (tuple(qw.shape), tuple(kw.shape)) != want or qw.dtype != kv_cache.dtype or kw.dtype != kv_cache.dtype \
+                or not (qw.is_contiguous() and kw.is_contiguous()):
+            return None
+        norms = (qw.data_ptr(), kw.data_ptr(), int(whole), _float_bits(eps))
     if library() is None or kv_cache.dtype not in _SUFFIX or hk <= 0 or hq % hk:
         return None
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_cpu or not kv_cache.is_contiguous() \
@@ -421,8 +437,8 @@ def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNa
         return None
     _, nblocks, bs = kv_cache.shape[:3]
     values = (*qkv.args, *o.args, cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(),
-              nblocks, bs, hq, hk, d, hidden, window or 0)
-    return _pack(values, (qkv, o, cos_sin, kv_cache), dtype=kv_cache.dtype, hidden=hidden, scale=scale,
+              nblocks, bs, hq, hk, d, hidden, window or 0, _float_bits(soft_cap or 0.0), *norms)
+    return _pack(values, (qkv, o, cos_sin, kv_cache, qk_norms), dtype=kv_cache.dtype, hidden=hidden, scale=scale,
                  max_rows=max_rows, bf16_attention=_bf16_attention(kv_cache.dtype, kv_cache.dtype, hq, hk, d))
 
 
@@ -462,15 +478,22 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, ste
     return out
 
 
-def mlp_layer(gate_up: Int4Native | DenseNative, down: Int4Native | DenseNative, dtype: torch.dtype):
-    """A layer's side of `mlp` for activations of `dtype`, checked and packed, or None."""
-    if library() is None:
+def mlp_layer(gate_up: Int4Native | DenseNative, down: Int4Native | DenseNative, dtype: torch.dtype,
+              act: str = "silu"):
+    """A layer's side of `mlp` for activations of `dtype` and `act` ('silu' or 'gelu_tanh'),
+    checked and packed, or None."""
+    if library() is None or act not in ("silu", "gelu_tanh"):
         return None
     (hidden, inter), max_rows = down.shape, _max_rows(dtype, gate_up, down)
     if gate_up.shape != (2 * inter, hidden) or not max_rows:
         return None
-    return _pack((*gate_up.args, *down.args, hidden, inter), (gate_up, down), dtype=dtype, hidden=hidden,
-                 max_rows=max_rows)
+    return _pack((*gate_up.args, *down.args, hidden, inter, int(act == "gelu_tanh")), (gate_up, down), dtype=dtype,
+                 hidden=hidden, max_rows=max_rows)
+
+
+def _float_bits(value: float) -> int:
+    """A float32's bits as an int (a packed argument the kernel reads back as float)."""
+    return int(np.float32(value).view(np.int32))
 
 
 def _layer_rows(x: torch.Tensor, layer: Packed) -> bool:

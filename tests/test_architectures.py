@@ -1,0 +1,145 @@
+"""The dense architectures beyond the Llama family (Gemma 2/3, Phi-3, Granite,
+OLMo 2, SmolLM3, GLM-4) end to end: a tiny random model saved by transformers
+as an HF directory, served by `LLM`, gives transformers' greedy tokens.
+(`test_model_logits` compares their logits step by step through the runner.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_model, meta_for, random_model
+
+from infer.core.llm import LLM
+from infer.core.lowering import lower
+from infer.core.model_runner import ModelRunner
+from infer.core.models.llama import build_llama
+from infer.core.sampling_params import SamplingParams
+from infer.dispatch import Ops
+from infer.registry import get_backend
+
+NEW = ["gemma2", "gemma3", "phi3", "granite", "olmo2", "smollm3", "glm4"]
+VOCAB = 211
+_rng = np.random.default_rng(3)
+PROMPTS = [_rng.integers(3, VOCAB, n).tolist() for n in (21, 5, 37)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def _greedy(model, prompt, n=10):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """kind -> (transformers model in float32, HF directory)."""
+    out = {}
+    for kind in NEW:
+        model, _, _ = make_model(kind)
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        model.save_pretrained(path)
+        out[kind] = (model, str(path))
+    return out
+
+
+def _llm(path, leak_check, **kw):
+    # max_model_len 256: Phi-3's LongRoPE picks its short factors (the tiny config's original length)
+    llm = LLM(path, skip_tokenizer_init=True, max_num_seqs=4, max_model_len=256, **kw)
+    leak_check.append(llm.engine)
+    return llm
+
+
+def _generate(llm, prompts=PROMPTS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_ref"])
+@pytest.mark.parametrize("kind", NEW)
+def test_greedy_tokens_equal_transformers(saved, kind, backend, leak_check):
+    model, path = saved[kind]
+    llm = _llm(path, leak_check, backend=backend, dtype="float32")
+    assert _generate(llm) == [_greedy(model, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["phi3", "granite", "smollm3", "glm4", "gemma2", "gemma3", "olmo2"])
+def test_bfloat16_greedy_tokens_equal_transformers_in_bfloat16(saved, kind, leak_check):
+    """bf16 on the torch backend (its native fused decode nodes where the CPU has AVX512-BF16:
+    partial and GPT-J rotary, layers without rope, q/k norms per head and over all heads,
+    soft-capped attention, GeGLU, multipliers around them) against
+    transformers computing in bf16 too."""
+    model, path = saved[kind]
+    llm = _llm(path, leak_check, backend="torch", dtype="bfloat16")
+    reference = {}
+    bf16 = model.to(torch.bfloat16)
+    try:
+        reference = [_greedy(bf16, p) for p in PROMPTS]
+    finally:
+        model.to(torch.float32)
+    assert _generate(llm) == reference
+
+
+def test_longrope_uses_long_factors_when_the_served_context_passes_the_original():
+    """Phi-3's LongRoPE with max_model_len past original_max_position_embeddings: every position
+    rotates by the long factors, as transformers does for a sequence longer than the original
+    length, and the cos/sin scale follows max_position_embeddings / original."""
+    model, config, weights = random_model(
+        "Phi3Config", "Phi3ForCausalLM", hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=96, num_hidden_layers=2, vocab_size=97, pad_token_id=0, max_position_embeddings=64,
+        original_max_position_embeddings=16, sliding_window=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0] * 16, "long_factor": [1.0 + 0.7 * i for i in range(16)]})
+    backend = get_backend("torch")
+    runner = ModelRunner(lower(build_llama(config)), backend, Ops(backend), weights, "float32", 64)
+    runner.allocate_kv_caches(num_blocks=4, block_size=16)
+    ids = np.random.default_rng(0).integers(0, 97, 30)
+    got = runner.forward(backend.asarray(ids), backend.asarray(np.arange(30)), backend.asarray(np.arange(30)),
+                         runner.prepare_metadata(meta_for([(0, 30)], 16, [[1, 3]]))).logits
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(backend.to_numpy(got), want, atol=1e-4)
+
+
+def test_olmo2_refuses_tensor_parallelism_with_a_reason():
+    from infer.core.parallel import shard_graph
+
+    _, config, _ = make_model("olmo2")
+    with pytest.raises(ValueError, match="over all heads"):
+        shard_graph(build_llama(config), 0, 2)
+
+
+@pytest.mark.parametrize("rope,served", [
+    ({"rope_type": "default", "rope_theta": 10000.0}, 256),
+    ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}, 256),
+    ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, 256),
+    ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 256),  # within max_position_embeddings
+    ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 1000),  # past it: a larger base
+    ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+      "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [1.5 + 0.3 * i for i in range(16)]}, 64),
+    ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+      "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [1.5 + 0.3 * i for i in range(16)]}, 1000),
+], ids=["default", "linear", "llama3", "yarn", "dynamic", "dynamic-long", "longrope-short", "longrope-long"])
+def test_rope_tables_equal_transformers_rope_functions(rope, served):
+    """Each rope type's cos/sin table equals what transformers' own rope function gives for a
+    sequence of the served length (`max_model_len`)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from infer.core.rope import cos_sin_cache
+
+    cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=8, max_position_embeddings=256,
+                                   rope_parameters=dict(rope))
+    kind = rope["rope_type"]
+    fn = ROPE_INIT_FUNCTIONS.get(kind) if kind != "default" else None
+    inv_freq, scale = fn(cfg, None, seq_len=served) if fn else (1.0 / 10000.0 ** (torch.arange(0, 32, 2).float() / 32), 1.0)
+    positions = torch.arange(served).float()
+    angles = positions[:, None] * inv_freq[None, :].float()
+    want = torch.cat([angles.cos() * scale, angles.sin() * scale], dim=1).numpy()
+    config = cfg.to_dict()
+    got = cos_sin_cache(config, 32, served)
+    np.testing.assert_allclose(got, want, atol=2e-4)
