@@ -128,7 +128,7 @@ def _infer_ops():
     return [Embedding, Linear, RmsNorm, ActAndMul, Rotary, KvWrite, Attention]
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "granite", "olmo2"])  # granite: Mul nodes; olmo2: Add nodes
 def test_the_exported_model_computes_transformers_logits(kind):
     """Split/Reshape/Gather run as ONNX defines them, the infer ops as NumPy here: the file's wiring
     (which value feeds which op, split axis, reshapes, versions of the KV cache) gives the model."""
@@ -157,7 +157,7 @@ def test_the_exported_model_computes_transformers_logits(kind):
     np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "granite", "olmo2"])
 def test_each_calls_symbolic_shapes_agree_with_its_parameters_and_inputs(kind):
     """The shapes the program text prints: a linear's output is [T, its weight's rows], a split's
     pieces add up to its input, a reshape keeps the element count (with T = 7 tokens, S = 3 sampled)."""
@@ -176,9 +176,21 @@ def test_each_calls_symbolic_shapes_agree_with_its_parameters_and_inputs(kind):
         elif c.primitive == "split":
             assert ("T", sum(s[1] for s in c.shapes)) == shapes[c.inputs[0]] and \
                 [s[1] for s in c.shapes] == list(c.attrs["sizes"]), c
-        elif c.primitive == "reshape":
+        elif c.primitive in ("reshape", "scale", "soft_cap"):
             assert size(c.shapes[0]) == size(shapes[c.inputs[0]]), c
 
 
 def test_the_infer_domain_is_at_version_1_over_onnx_opset_21(qwen2):
     assert {(o.domain, o.version) for o in to_onnx(qwen2).opset_import} == {("", 21), ("infer", 1)}
+
+
+def test_gemma_exports_a_rope_table_per_variant_and_its_soft_caps():
+    """Gemma 3's local layers read their own cos/sin input; Gemma 2's final soft-cap is Div, Tanh, Mul."""
+    g3 = to_onnx(lower(build_llama(make_model("gemma3")[1])))
+    tables = sorted(i.name for i in g3.graph.input if i.name.startswith("cos_sin_cache"))
+    assert tables == ["cos_sin_cache.32", "cos_sin_cache.32.sliding_attention"]
+    rotary = [n for n in g3.graph.node if n.op_type == "Rotary"]
+    assert [n.input[3] for n in rotary] == ["cos_sin_cache.32.sliding_attention", "cos_sin_cache.32"]
+    g2 = to_onnx(lower(build_llama(make_model("gemma2")[1])))
+    ops = [n.op_type for n in g2.graph.node]
+    assert ops[-3:] == ["Div", "Tanh", "Mul"] and ops.count("Mul") == 2  # the embedding scale and the cap

@@ -89,7 +89,8 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
         elif node.op in _EXPANSIONS:
             calls.extend(_EXPANSIONS[node.op](graph, node))
         elif node.op in ELEMENTWISE_OPS:
-            shape = _node_output_shape(graph, node) if node.op != "soft_cap" else ("S", graph.config.vocab_size)
+            cfg = graph.config
+            shape = ("S", cfg.vocab_size) if node.inputs[0] == "logits" else ("T", cfg.hidden_size)
             calls.append(Call(node.op, node.name, node.inputs, node.outputs, {}, dict(node.attrs), (shape,), node.layer))
         else:
             raise ValueError(f"node {node.name}: no lowering for {node.op!r} and the backend does not fuse it")
