@@ -9,7 +9,8 @@ more made of elementwise tensor operators every tensor type has, the id range
 check of a vocabulary shard (``vocab_ids``: local ids and a mask; ``mask_rows``:
 zero the masked rows), exported as ops of the ``infer`` domain. The graph's
 elementwise nodes (`ELEMENTWISE_OPS`) are of that kind too: ``add`` (a + b),
-``scale`` (x times a constant already rounded to the model dtype) and
+``scale`` (x times a constant; with ``rounded``, the constant rounded to the
+model dtype first, as Gemma multiplies) and
 ``soft_cap`` (``cap * tanh(x / cap)``, in x's dtype), exported as ONNX's Add,
 Mul and Div/Tanh/Mul.
 
@@ -138,17 +139,16 @@ def _attention(g: Graph, n: Node) -> list[Call]:
         Call("split", name, (v + "qkv",), (v + "q", v + "k", v + "v"), {}, {"sizes": (hq * d, hk * d, hk * d)},
              (("T", hq * d), ("T", hk * d), ("T", hk * d)), L),
     ]
-    for t, heads in (("q", hq), ("k", hk), ("v", hk)):
-        calls.append(Call("reshape", name, (v + t,), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L))
-    if "q_norm" in p and a.get("qk_norm") == "whole":
+    whole = "q_norm" in p and a.get("qk_norm") == "whole"
+    if whole:
         # OLMo 2 normalises q and k over the whole projection (all heads) before rotary.
         for t, heads in (("q", hq), ("k", hk)):
-            calls += [
-                Call("rms_norm", name, (v + t,), (v + t + "n",), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
-                     (("T", heads * d),), L),
-                Call("reshape", name, (v + t + "n",), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L),
-            ]
-    elif "q_norm" in p:
+            calls.append(Call("rms_norm", name, (v + t,), (v + t + "n",), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
+                              (("T", heads * d),), L))
+    for t, heads in (("q", hq), ("k", hk), ("v", hk)):
+        src = v + t + ("n" if whole and t != "v" else "")
+        calls.append(Call("reshape", name, (src,), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L))
+    if "q_norm" in p and not whole:
         # Qwen3 and Gemma 3 normalise each head's q and k over head_dim before rotary.
         for t, heads in (("q", hq), ("k", hk)):
             calls += [

@@ -359,33 +359,21 @@ int infer_openmp(void) { return 0; }
         return 0;                                                                                           \
     }
 
-/* ---- silu(x[:, :h]) * x[:, h:] ---------------------------------------------------- */
-#define DEF_SILU_AND_MUL(SUF, T, LD, ST)                                                                    \
-    int infer_silu_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) {                \
+/* ---- act(x[:, :h]) * x[:, h:] ------------------------------------------------------
+ * SiLU: a / (1 + exp(-a)). GELU's tanh form (Gemma's GeGLU): 0.5 a (1 + tanh(y)) with
+ * y = sqrt(2/pi) (a + 0.044715 a^3), which is a / (1 + exp(-2y)): SiLU's form, which gcc
+ * vectorises. */
+#define ACT_SILU(a) (a)
+#define ACT_GELU_TANH(a) (2.0f * 0.7978845608028654f * ((a) + 0.044715f * (a) * (a) * (a)))
+#define DEF_ACT_AND_MUL(NAME, ARG, SUF, T, LD, ST)                                                          \
+    int infer_##NAME##_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) { \
         PAR_FOR(rows * h)                                                                                   \
         for (int64_t r = 0; r < rows; r++) {                                                                \
             const T *g = x + r * xs, *u = g + h;                                                            \
             T *o = out + r * h;                                                                             \
             for (int64_t i = 0; i < h; i++) {                                                               \
                 float a = LD(g[i]);                                                                         \
-                o[i] = ST(a / (1.0f + exp_f32(-a)) * LD(u[i]));                                                \
-            }                                                                                               \
-        }                                                                                                   \
-        return 0;                                                                                           \
-    }
-
-/* ---- gelu_tanh(x[:, :h]) * x[:, h:] (Gemma's GeGLU) --------------------------------- */
-#define DEF_GELU_TANH_AND_MUL(SUF, T, LD, ST)                                                               \
-    int infer_gelu_tanh_and_mul_##SUF(const T *restrict x, int64_t xs, T *restrict out, int64_t rows, int64_t h) { \
-        PAR_FOR(rows * h)                                                                                   \
-        for (int64_t r = 0; r < rows; r++) {                                                                \
-            const T *g = x + r * xs, *u = g + h;                                                            \
-            T *o = out + r * h;                                                                             \
-            for (int64_t i = 0; i < h; i++) {                                                               \
-                /* 0.5 a (1 + tanh(y)) = a / (1 + exp(-2y)): SiLU's form, which gcc vectorises */            \
-                float a = LD(g[i]);                                                                         \
-                float y = 0.7978845608028654f * (a + 0.044715f * a * a * a);                                \
-                o[i] = ST(a / (1.0f + exp_f32(-2.0f * y)) * LD(u[i]));                                      \
+                o[i] = ST(a / (1.0f + exp_f32(-ARG(a))) * LD(u[i]));                                        \
             }                                                                                               \
         }                                                                                                   \
         return 0;                                                                                           \
@@ -1383,10 +1371,10 @@ DEF_RMS_NORM(f32, float, f32_load, f32_store)
 DEF_RMS_NORM(bf16, uint16_t, bf16_load, bf16_store)
 DEF_ROTARY(f32, float, f32_load, f32_store)
 DEF_ROTARY(bf16, uint16_t, bf16_load, bf16_store)
-DEF_SILU_AND_MUL(f32, float, f32_load, f32_store)
-DEF_SILU_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
-DEF_GELU_TANH_AND_MUL(f32, float, f32_load, f32_store)
-DEF_GELU_TANH_AND_MUL(bf16, uint16_t, bf16_load, bf16_store)
+DEF_ACT_AND_MUL(silu, ACT_SILU, f32, float, f32_load, f32_store)
+DEF_ACT_AND_MUL(silu, ACT_SILU, bf16, uint16_t, bf16_load, bf16_store)
+DEF_ACT_AND_MUL(gelu_tanh, ACT_GELU_TANH, f32, float, f32_load, f32_store)
+DEF_ACT_AND_MUL(gelu_tanh, ACT_GELU_TANH, bf16, uint16_t, bf16_load, bf16_store)
 #if BF16_DOT
 /* exp_f32 on 16 lanes: the same operations in the same order, so the same results (NaN included). */
 static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
