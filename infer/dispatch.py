@@ -116,8 +116,11 @@ class Ops:
         impl = self._impls.get(key)
         if impl is None:
             reasons = []
+            needs = [arg for key, arg in _NEWER_ARGS.get(primitive, ()) if kw.get(key)]
             for b in self._chain:
-                ok = b.supports(primitive, **kw)
+                missing = [arg for arg in needs if not _takes(getattr(b, primitive, None), arg)]
+                ok = b.supports(primitive, **kw) if not missing else Support(
+                    False, f"backend '{b.name}' {primitive} takes no {missing[0]!r} argument (added to the contract later)")
                 if ok:
                     break
                 reasons.append(ok.reason)
@@ -125,6 +128,8 @@ class Ops:
                 raise BackendUnavailableError(f"{primitive} unsupported: " + "; ".join(reasons))
             label = b.name if b is self.backend else f"{b.name} (fallback)"
             fast = b.fast_path(primitive, **kw) if b.api_version >= 2 else None
+            if fast is not None and not all(_takes(fast.fn, arg) for arg in needs):
+                fast = None  # a fast path written before the argument existed cannot serve the call
             impl = Implementation(getattr(b, primitive), b, label, fast and fast.fn, fast and f"{b.name}:{fast.name}")
             self._impls[key] = impl
         return impl
@@ -249,6 +254,15 @@ class Ops:
             if impl.fast is not None:
                 out[prim] = impl.fast_label
         return out
+
+
+# Optional arguments added to a primitive after v2 shipped: (dispatch key, argument).
+# A backend (or fast path) whose method lacks the argument is not asked to serve a
+# call that passes it, so a plugin written before it keeps working through its fallback.
+_NEWER_ARGS = {
+    "attention": (("sinks", "sinks"),),
+    "moe": (("expert_bias", "w13_bias"), ("moe_activation", "activation")),
+}
 
 
 def _takes(fn: Callable, name: str) -> bool:

@@ -117,13 +117,19 @@ def test_olmo2_refuses_tensor_parallelism_with_a_reason():
     ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 64}, 256),
     ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    # gpt-oss: the correction range kept fractional
+    ({"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+      "truncate": False, "original_max_position_embeddings": 64}, 256),
+    # DeepSeek: the attention factor from mscale / mscale_all_dim
+    ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+      "original_max_position_embeddings": 64}, 256),
     ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 256),  # within max_position_embeddings
     ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 1000),  # past it: a larger base
     ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
       "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [1.5 + 0.3 * i for i in range(16)]}, 64),
     ({"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
       "short_factor": [1.0 + 0.05 * i for i in range(16)], "long_factor": [1.5 + 0.3 * i for i in range(16)]}, 1000),
-], ids=["default", "linear", "llama3", "yarn", "dynamic", "dynamic-long", "longrope-short", "longrope-long"])
+], ids=["default", "linear", "llama3", "yarn", "yarn-untruncated", "yarn-mscale", "dynamic", "dynamic-long", "longrope-short", "longrope-long"])
 def test_rope_tables_equal_transformers_rope_functions(rope, served):
     """Each rope type's cos/sin table equals what transformers' own rope function gives for a
     sequence of the served length (`max_model_len`)."""

@@ -82,6 +82,42 @@ class NoSoftCap(CpuRefBackend):
         return CpuRefBackend.attention(q, kv_cache, meta, scale, sliding_window, None)
 
 
+class IgnoresSinks(CpuRefBackend):
+    name = "mutant"
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None, sinks=None):
+        return CpuRefBackend.attention(q, kv_cache, meta, scale, sliding_window, soft_cap, kv_scales)
+
+
+class SinkPerKvHead(CpuRefBackend):
+    """Gives every query head of a KV head that KV head's first sink."""
+    name = "mutant"
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None, sinks=None):
+        if sinks is not None:
+            group = q.shape[1] // kv_cache.shape[3]
+            sinks = np.repeat(np.asarray(sinks)[::group], group)
+        return CpuRefBackend.attention(q, kv_cache, meta, scale, sliding_window, soft_cap, kv_scales, sinks)
+
+
+class UnclampedSwigluOai(CpuRefBackend):
+    name = "mutant"
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
+            w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None):
+        return CpuRefBackend.moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias,
+                                 w2_bias, activation, swiglu_alpha, 1e9 if swiglu_limit else None)
+
+
+class NoDownBias(CpuRefBackend):
+    name = "mutant"
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
+            w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None):
+        return CpuRefBackend.moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias,
+                                 None, activation, swiglu_alpha, swiglu_limit)
+
+
 class HighestExpertOnTies(CpuRefBackend):
     name = "mutant"
 
@@ -241,6 +277,12 @@ MUTANTS = [
     (LoraReadsSlotZero, "lora", {"decode_4_slots", "one_slice_rank16", "qkv_slices", "gate_up_slices",
                                  "no_adapter_rows", "prefill_600_tokens", "prefill_runs_of_one_adapter"}),
     (NoSoftCap, "attention", {"soft_cap_gqa3_d64", "window_soft_cap_gqa8_d128"}),
+    (IgnoresSinks, "attention", {"sinks_mixed_gqa3_d64", "sinks_window4_gqa8_d64", "sinks_decode_many_blocks_gqa8_d64",
+                                 "sinks_one_token_d64"}),
+    # sinks_one_token has one query head per KV head: nothing to confuse.
+    (SinkPerKvHead, "attention", {"sinks_mixed_gqa3_d64", "sinks_window4_gqa8_d64", "sinks_decode_many_blocks_gqa8_d64"}),
+    (UnclampedSwigluOai, "moe", {"bias_swiglu_oai_top2_renorm", "swiglu_oai_one_token"}),
+    (NoDownBias, "moe", {"bias_swiglu_oai_top2_renorm", "bias_silu_top4_e16"}),
     (HighestExpertOnTies, "moe", {"top1_ties_lowest_id", "top2_ties_lowest_id"}),
     (UngatedSharedExpert, "moe", {"shared_gated_top4", "shared_gated_one_token"}),
     (WritesPaddedSlots, "kv_write", {"padded_minus1_slots"}),

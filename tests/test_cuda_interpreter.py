@@ -175,8 +175,9 @@ def _run_attention(backend, x, dtype, num_splits):
     meta = backend.prepare_metadata(x["meta"])
     backend.kv_write(backend.asarray(x["new_k"], dtype), backend.asarray(x["new_v"], dtype), cache, meta.slot_mapping,
                      scales)
+    sinks = None if x.get("sinks") is None else backend.asarray(x["sinks"], dtype)
     out = paged_attention(backend.asarray(x["q"], dtype), cache, meta, x["scale"], x["sliding_window"], x["soft_cap"],
-                          scales, num_splits=num_splits)
+                          scales, num_splits=num_splits, sinks=sinks)
     return backend.to_numpy(out)
 
 
@@ -188,7 +189,7 @@ def _reference_attention(x):
     cache = ref.allocate_kv_cache(*x["cache_shape"], "fp8" if scales else "float32")
     ref.kv_write(x["cached_k"], x["cached_v"], cache, x["cached_slots"], scales)
     ref.kv_write(x["new_k"], x["new_v"], cache, x["meta"].slot_mapping, scales)
-    return ref.attention(x["q"], cache, x["meta"], x["scale"], x["sliding_window"], x["soft_cap"], scales)
+    return ref.attention(x["q"], cache, x["meta"], x["scale"], x["sliding_window"], x["soft_cap"], scales, x.get("sinks"))
 
 
 def check_availability():
@@ -392,12 +393,14 @@ def check_split_kv():
     from infer.backends.cuda import CudaBackend, attention
 
     backend = CudaBackend()
-    # Long decode contexts, one of them empty of history, plus a window and GQA 4; fp8 caches
+    # Long decode contexts, one of them empty of history, plus a window and GQA 4, sinks; fp8 caches
     # (partials carry v_scale) through the hardware conversion and through the A100's integer decode.
     fp8 = dict(reqs=[(1, 150), (2, 70)], hq=8, d=64, kv_scales=(0.37, 1.9))
     for kw, native in ((dict(reqs=[(1, 150), (1, 70), (1, 1)], hq=8, d=64), True),
                        (dict(reqs=[(1, 150), (1, 97)], hq=8, d=64, sliding_window=40), True),
                        (dict(reqs=[(3, 140), (1, 66)], hq=4, hk=1, d=128, soft_cap=4.0), True),
+                       # sinks: split 0 alone carries a head's sink into the combine
+                       (dict(reqs=[(1, 150), (1, 97), (1, 0)], hq=8, d=64, sliding_window=60, sinks=2.0), True),
                        (fp8, True), (fp8, False)):
         attention.native_fp8 = lambda device, native=native: native
         for dtype, tol in (("float32", 1e-5), ("float16", 2e-3))[: 1 if "soft_cap" in kw else 2]:

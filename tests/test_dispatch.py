@@ -71,6 +71,46 @@ def test_a_fast_path_serves_what_it_accepts_and_the_trace_counts_each_side():
     assert len(trace.rows()) == 2
 
 
+class BeforeSinks(TorchBackend):
+    """A plugin written before `sinks` and the expert biases joined the contract: its attention,
+    moe and attention fast path take the older signatures (and it claims to support everything)."""
+
+    name = "test_before_sinks"
+    fallback = "torch"
+
+    def attention(self, q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None):
+        raise AssertionError("asked to serve a call with sinks")
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
+        raise AssertionError("asked to serve a call with expert biases")
+
+    def supports(self, primitive, **kw):
+        return Support(True)
+
+    def fast_path(self, primitive, **kw):
+        if primitive != "attention":
+            return None
+        return FastPath("old", lambda q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None: 0)
+
+
+def test_a_backend_older_than_an_argument_is_not_asked_to_serve_calls_that_pass_it():
+    ops = Ops(BeforeSinks())
+    assert ops.provider("attention", dtype="float32", head_dim=64).name == "test_before_sinks"
+    assert ops.provider("attention", dtype="float32", head_dim=64, sinks=True).name == "torch"
+    assert ops.provider("moe", dtype="float32", expert_bias=True).name == "torch"
+    assert ops.provider("moe", dtype="float32", moe_activation="swiglu_oai").name == "torch"
+    assert ops.provider("moe", dtype="float32").name == "test_before_sinks"
+    # Without a fallback the reason names the missing argument.
+    no_fallback = type("NoFallback", (BeforeSinks,), {"fallback": None, "name": "test_no_fallback"})
+    with pytest.raises(registry_mod.BackendUnavailableError, match="takes no 'sinks' argument"):
+        Ops(no_fallback()).implementation("attention", dtype="float32", sinks=True)
+    # A general attention that takes sinks keeps the call; its older fast path is left out of it.
+    fast_only = type("FastOnly", (TorchBackend,), {"name": "test_fast_only", "fast_path": BeforeSinks.fast_path})
+    impl = Ops(fast_only()).implementation("attention", dtype="float32", head_dim=64, sinks=True)
+    assert impl.provider.name == "test_fast_only" and impl.fast is None
+    assert Ops(fast_only()).implementation("attention", dtype="float32", head_dim=64).fast is not None
+
+
 def test_the_trace_prints_one_row_per_node_call_and_implementation():
     trace = DispatchTrace()
     trace.count("mlp", "fused_mlp", "torch:fused", 3)

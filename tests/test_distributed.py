@@ -252,14 +252,18 @@ def tiny_dirs(tmp_path_factory):
     make_model("llama3")[0].save_pretrained(root / "llama3_uneven")
     save_moe_model("mixtral", root / "mixtral")
     save_moe_model("qwen2_moe", root / "qwen2_moe")
+    # gpt-oss: sinks split with their heads, expert biases (gate/up split, down bias on rank 0), router bias
+    save_moe_model("gpt_oss", root / "gpt_oss")
     # Gemma 3 (tied, scaled embeddings; per-head q/k norms; local and global rope), Gemma 2 (soft-capped
     # logits after the gathered vocabulary), Phi-3 (fused qkv and gate_up tensors cut per part)
     for kind in ("gemma3", "gemma2", "phi3"):
         make_model(kind)[0].save_pretrained(root / kind)
-    return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3")}
+    return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3",
+                                       "gpt_oss")}
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3",
+                                  "gpt_oss"])
 def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
     engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
     [one] = generate(tiny_dirs[kind], engine)

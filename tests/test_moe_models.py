@@ -21,7 +21,7 @@ from infer.dispatch import Ops
 from infer.registry import get_backend
 
 from tiny_models import assert_logits_match_through_chunks
-from tiny_moe_models import MOE_MODELS, make_moe_model, save_moe_model
+from tiny_moe_models import MOE_MODELS, fused_layout, make_moe_model, save_moe_model
 
 BACKENDS = ["torch", "cpu_ref"]
 VOCAB = 211
@@ -56,7 +56,7 @@ def _greedy_and_routing(model, prompt: list[int], n: int) -> tuple[list[int], di
     routed: dict[int, np.ndarray] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
+        gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: router
         if gate is None or not hasattr(gate, "top_k"):
             continue  # a dense layer
 
@@ -81,7 +81,7 @@ def _greedy_and_routing(model, prompt: list[int], n: int) -> tuple[list[int], di
 def test_loader_fuses_per_expert_tensors_into_transformers_layout(saved_model):
     directory, model, _, _ = saved_model
     loaded = load_model(directory, load_tokenizer=False)
-    want = {k: v.numpy() for k, v in model.state_dict().items()}
+    want = fused_layout(model.config.model_type, {k: v.numpy() for k, v in model.state_dict().items()})
     assert set(loaded.weights) == set(want)
     for name, w in want.items():
         np.testing.assert_array_equal(loaded.weights[name], w, err_msg=name)
@@ -110,9 +110,10 @@ def test_loader_reads_a_checkpoint_already_in_the_fused_layout(saved_model, tmp_
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(tmp_path / "model.safetensors"))
     loaded = load_model(tmp_path, load_tokenizer=False)
-    assert set(loaded.weights) == set(state)
-    for name, w in state.items():
-        np.testing.assert_array_equal(loaded.weights[name], w.numpy(), err_msg=name)
+    want = fused_layout(model.config.model_type, {k: v.numpy() for k, v in state.items()})
+    assert set(loaded.weights) == set(want)
+    for name, w in want.items():
+        np.testing.assert_array_equal(loaded.weights[name], w, err_msg=name)
 
 
 def test_a_missing_expert_tensor_is_named(tmp_path):
@@ -152,3 +153,19 @@ def test_dense_models_have_no_expert_load(tmp_path):
     model.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), backend="torch", skip_tokenizer_init=True, max_model_len=64, show_progress=False)
     assert llm.engine.expert_load is None
+
+
+def test_gpt_oss_bfloat16_greedy_tokens_equal_transformers_in_bfloat16(tmp_path, leak_check):
+    """gpt-oss in bf16 on the torch backend (attention sinks on the explicit-score path,
+    biased experts with the clamped SwiGLU) against transformers computing in bf16 too."""
+    model = save_moe_model("gpt_oss", tmp_path)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
+    bf16 = model.to(torch.bfloat16)
+    want = [_greedy_and_routing(bf16, p, 12)[0] for p in prompts]
+    llm = LLM(str(tmp_path), backend="torch", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=4,
+              max_model_len=128, show_progress=False)
+    leak_check.append(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want

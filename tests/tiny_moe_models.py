@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import transformers
 
 from tiny_models import random_model
@@ -25,13 +26,40 @@ MOE_MODELS = {
                                                                 head_dim=32, intermediate_size=96,
                                                                 moe_intermediate_size=32, num_experts=16,
                                                                 num_experts_per_tok=2, norm_topk_prob=True)),
+    # router and expert biases, clamped SwiGLU (a limit low enough to bite), attention sinks and biases,
+    # a windowed layer (window < prompt) then a full one, YaRN with the fractional correction range
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                                          intermediate_size=48, num_local_experts=4,
+                                                          num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.6,
+                                                          rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                           "beta_fast": 32.0, "beta_slow": 1.0,
+                                                                           "truncate": False, "rope_theta": 150000.0,
+                                                                           "original_max_position_embeddings": 64})),
 }
 
 
+def fused_layout(kind: str, state: dict) -> dict:
+    """A state dict in the layout infer's graph reads (transformers 5's fused experts:
+    gate_up [E, 2I, H] gate rows then up rows, down [E, H, I]). gpt-oss's module keeps
+    gate_up as [E, H, 2I] with gate and up columns interleaved and down as [E, I, H]."""
+    if kind != "gpt_oss":
+        return state
+    out = dict(state)
+    for name, w in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            out[name] = np.concatenate([w[:, :, 0::2], w[:, :, 1::2]], axis=2).transpose(0, 2, 1).copy()
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[name] = np.concatenate([w[:, 0::2], w[:, 1::2]], axis=1)
+        elif name.endswith("experts.down_proj"):
+            out[name] = w.transpose(0, 2, 1).copy()
+    return out
+
+
 def make_moe_model(kind: str):
-    """(transformers model, config dict, state dict as NumPy) of one tiny MoE model."""
+    """(transformers model, config dict, state dict as NumPy in the fused layout) of one tiny MoE model."""
     cfg_cls, model_cls, extra = MOE_MODELS[kind]
-    return random_model(cfg_cls, model_cls, **(COMMON | extra))
+    model, config, state = random_model(cfg_cls, model_cls, **(COMMON | extra))
+    return model, config, fused_layout(kind, state)
 
 
 def save_moe_model(kind: str, directory) -> transformers.PreTrainedModel:

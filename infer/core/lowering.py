@@ -162,7 +162,7 @@ def _attention(g: Graph, n: Node) -> list[Call]:
                           {"rotary_dim": a["rotary_dim"], "neox_style": a["neox_style"]}, (("T", hq, d), ("T", hk, d)), L))
     calls += [
         Call("kv_write", name, (v + "k3", v + "v3"), (), {}, {}, (), L),
-        Call("attention", name, (v + "q3",), (v + "o3",), {},
+        Call("attention", name, (v + "q3",), (v + "o3",), _pick(p, sinks="sinks"),
              {"scale": a["scale"], "sliding_window": a["sliding_window"], "soft_cap": a["soft_cap"]}, (("T", hq, d),), L),
         Call("reshape", name, (v + "o3",), (v + "o",), {}, {"shape": (-1, hq * d)}, (("T", hq * d),), L),
         Call("linear", name, (v + "o",), n.outputs, _pick(p, weight="o_proj", bias="o_bias"), {},
@@ -203,7 +203,8 @@ def _moe(g: Graph, n: Node) -> list[Call]:
     e = g.params[p["router"]].shape[0]
     h = g.config.hidden_size
     x = n.inputs[0]
-    calls = [Call("linear", name, (x,), (name + ".router_logits",), {"weight": p["router"]}, {}, (("T", e),), L)]
+    calls = [Call("linear", name, (x,), (name + ".router_logits",), _pick(p, weight="router", bias="router_bias"), {},
+                  (("T", e),), L)]
     ins = (x, name + ".router_logits")
     if len(n.inputs) > 1:
         ins += (n.inputs[1],)
@@ -211,8 +212,11 @@ def _moe(g: Graph, n: Node) -> list[Call]:
             calls.append(Call("linear", name, (x,), (name + ".shared_gate_logits",), {"weight": p["shared_gate"]}, {},
                               (("T", 1),), L))
             ins += (name + ".shared_gate_logits",)
-    calls.append(Call("moe", name, ins, (n.outputs[0], name + ".tokens_per_expert"), _pick(p, w13="w13", w2="w2"),
-                      {"top_k": a["top_k"], "renormalize": a["renormalize"]}, (("T", h), (e,)), L))
+    attrs = {"top_k": a["top_k"], "renormalize": a["renormalize"]}
+    if a.get("activation") not in (None, "silu"):  # gpt-oss's clamped SwiGLU
+        attrs.update(activation=a["activation"], swiglu_alpha=a["swiglu_alpha"], swiglu_limit=a["swiglu_limit"])
+    calls.append(Call("moe", name, ins, (n.outputs[0], name + ".tokens_per_expert"),
+                      _pick(p, w13="w13", w2="w2", w13_bias="w13_bias", w2_bias="w2_bias"), attrs, (("T", h), (e,)), L))
     return calls
 
 

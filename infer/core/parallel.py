@@ -22,6 +22,8 @@ follows with an `all_reduce`:
 - KV heads: each rank keeps the KV heads its query heads read, so they are
   split when there are at least as many as ranks and replicated when fewer
   (see `HeadLayout`);
+- attention sinks follow their query heads; expert biases follow their rows
+  (``w13_bias`` split like ``w13``, ``w2_bias`` on rank 0 only);
 - norms, the router and the shared-expert gate replicated.
 """
 
@@ -119,7 +121,11 @@ def _shard_param(p: Param, role: str, heads: HeadLayout, d: int, rank: int, size
         return _pieces(p, 0, [q, kv, kv])
     if role == "o_proj":  # the input columns of this rank's query heads
         return _pieces(p, 1, [[(heads.first_head * d, (heads.first_head + heads.num_heads) * d)]])
-    if role in ("o_bias", "down_bias"):  # row-parallel bias: rank 0 adds it once
+    if role == "sinks":  # one per query head: this rank's heads
+        return _pieces(p, 0, [[(heads.first_head, heads.first_head + heads.num_heads)]])
+    if role == "w13_bias":  # [E, 2I]: each expert's gate and up biases split like its rows
+        return _pieces(p, 1, [[_cut(n, rank, size)] for n in p.parts])
+    if role in ("o_bias", "down_bias", "w2_bias"):  # row-parallel bias: rank 0 adds it once
         return p if rank == 0 else dataclasses.replace(p, zeros=True, sources=())
     if p.shard == "replicated":
         return p

@@ -95,13 +95,22 @@ def _yarn(inv_freq, p, dim, base, max_pos):
     factor = float(p["factor"])
     old_len = float(p.get("original_max_position_embeddings") or max_pos)
     beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
-    attention_factor = p.get("attention_factor") or 0.1 * math.log(factor) + 1.0
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+        # DeepSeek's configs give mscale and mscale_all_dim, whose ratio is the factor.
+        both = p.get("mscale") and p.get("mscale_all_dim")
+        attention_factor = mscale(float(p["mscale"])) / mscale(float(p["mscale_all_dim"])) if both else mscale()
 
     def correction_dim(rotations):
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):  # gpt-oss keeps the fractional range (truncate: false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / max(high - low, 1e-3), 0, 1)
     extrapolation = 1 - ramp
     return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)

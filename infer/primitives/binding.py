@@ -49,9 +49,10 @@ SIGNATURES: dict[str, tuple[Arg, ...]] = {
     "act_and_mul": _sig("x:value", "kind:attr"),
     "kv_write": _sig("k:value", "v:value", "kv_cache:layer", "slot_mapping:step", "scales:layer?"),
     "attention": _sig("q:value", "kv_cache:layer", "meta:step", "scale:attr", "sliding_window:attr?",
-                      "soft_cap:attr?", "kv_scales:layer?"),
+                      "soft_cap:attr?", "kv_scales:layer?", "sinks:weight?"),
     "moe": _sig("x:value", "router_logits:value", "w13:weight", "w2:weight", "top_k:attr", "renormalize:attr",
-                "shared:value?", "shared_gate:value?"),
+                "shared:value?", "shared_gate:value?", "w13_bias:weight?", "w2_bias:weight?", "activation:attr?",
+                "swiglu_alpha:attr?", "swiglu_limit:attr?"),
     "lora": _sig("x:value", "y:value", "lora_a:weight", "lora_b:weight", "lora_indices:step", "output_slices:attr?"),
     "sample": _sig("logits:value", "params:step"),
     "all_reduce": _sig("x:value", "group:attr?"),
@@ -92,11 +93,18 @@ def dispatch_key(primitive: str, *, dtype: str, named: Mapping[str, Any] = {}, k
         key["weight_kind"] = named["weight"].kind
     elif primitive == "embedding" and isinstance(named.get("table"), WeightHandle):
         key["weight_kind"] = named["table"].kind
-    elif primitive == "moe" and named.get("shared") is not None:
-        key["shared_expert"] = True
+    elif primitive == "moe":
+        if named.get("shared") is not None:
+            key["shared_expert"] = True
+        if named.get("w13_bias") is not None or named.get("w2_bias") is not None:
+            key["expert_bias"] = True
+        if named.get("activation") not in (None, "silu"):
+            key["moe_activation"] = named["activation"]
     elif primitive == "attention":
         key.update(head_dim=head_dim, sliding_window=named.get("sliding_window") is not None,
                    soft_cap=named.get("soft_cap") is not None)
+        if named.get("sinks") is not None:
+            key["sinks"] = True
     if primitive in ("kv_write", "attention") and kv_cache_dtype != "auto":
         key["kv_cache_dtype"] = kv_cache_dtype
     return key

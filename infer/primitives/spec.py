@@ -43,7 +43,7 @@ kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None
     ``v / v_scale``, rounded to nearest even and saturated at +-448
     (`infer.primitives.fp8`).
 
-attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None) -> [T, Hq, D]
+attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None, sinks=None) -> [T, Hq, D]
     Causal paged attention over a mixed prefill/decode batch described by
     `AttentionMetadata`, after this step's K/V went through `kv_write`. Query
     head h reads KV head ``h // (Hq // Hk)`` (GQA/MQA). Scores are
@@ -53,8 +53,15 @@ attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scale
     (k_scale, v_scale) is given and K/V are read as ``e4m3(code) * scale``.
     A request with ``seq_len`` 0 (one query, slot -1: a padding row of a
     captured decode step) sees no key; its output row is zero.
+    ``sinks`` [Hq] (float32 or q's dtype; gpt-oss's learned "attention
+    sinks"): query head h's softmax gets one more logit, ``sinks[h]``, that
+    takes probability mass and reads no value: ``p_j = exp(s_j) / (exp(sinks[h])
+    + sum_i exp(s_i))`` over the keys the query sees (after soft-capping). `Ops.resolve`
+    passes ``sinks=True``, and only a backend whose ``attention`` takes a
+    ``sinks`` argument is asked.
 
-moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None) -> (out [T, H], tokens_per_expert [E])
+moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None,
+    w13_bias=None, w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None) -> (out [T, H], tokens_per_expert [E])
     x [T, H], router_logits [T, E] (x's dtype or float32), w13 [E, 2I, H] (gate rows then up rows),
     w2 [E, H, I]. Gating: float32 softmax over E, the top_k experts per token
     (lowest expert id first on ties), weights renormalised to sum to 1 when
@@ -67,6 +74,15 @@ moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None
     [T, 1] (gate logits, x's dtype) is given. The sum is taken in float32 and
     rounded once. `Ops.resolve` passes ``shared_expert=True`` when a model
     uses it, so a backend without it can decline and fall back.
+    Expert biases (gpt-oss): ``w13_bias`` [E, 2I] is added to
+    ``x @ w13[e].T`` and ``w2_bias`` [E, H] to the down projection, each
+    expert its own row, before the gate weight. ``activation`` None or
+    'silu' is the SwiGLU above; 'swiglu_oai' (gpt-oss) with alpha a =
+    ``swiglu_alpha`` and limit L = ``swiglu_limit``: g = min(gate, L),
+    u = clip(up, -L, L), ``h = (u + 1) * g * sigmoid(a * g)``. `Ops.resolve`
+    passes ``expert_bias=True`` and ``moe_activation='swiglu_oai'`` when a
+    model uses them, and only a backend whose ``moe`` takes those arguments
+    is asked.
 
 lora(x, y, lora_a, lora_b, lora_indices, output_slices=None) -> [T, N]
     Batched LoRA on a linear's output (punica's shrink then expand). x [T, K]
@@ -114,6 +130,8 @@ PRIMITIVES: tuple[str, ...] = (
 )
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# The gated activations of `moe` (None means 'silu').
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 
 
 class PrimitiveArgumentError(ValueError):
@@ -222,8 +240,8 @@ def check_kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
     _check_int("kv_write", "slot_mapping", slot_mapping)
 
 
-def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None) -> None:
-    t, _, _ = _check_rank("attention", "q", q, 3, "[T, Hq, D]")
+def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None, sinks=None) -> None:
+    t, hq, _ = _check_rank("attention", "q", q, 3, "[T, Hq, D]")
     _check_float("attention", "q", q)
     if not isinstance(meta, AttentionMetadata):
         raise PrimitiveArgumentError("attention", "meta", f"must be AttentionMetadata, got {type(meta).__name__}")
@@ -233,9 +251,14 @@ def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None
         raise PrimitiveArgumentError("attention", "sliding_window", f"must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
         raise PrimitiveArgumentError("attention", "soft_cap", f"must be > 0 or None, got {soft_cap}")
+    if sinks is not None:
+        if _shape(sinks) != (hq,):
+            raise PrimitiveArgumentError("attention", "sinks", f"must be [{hq}] (one logit per query head), got {_shape(sinks)}")
+        _check_float("attention", "sinks", sinks)
 
 
-def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None) -> None:
+def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
+              activation=None, swiglu_alpha=None, swiglu_limit=None) -> None:
     t, h = _check_rank("moe", "x", x, 2, "[T, H]")
     dt = _check_float("moe", "x", x)
     tr, e = _check_rank("moe", "router_logits", router_logits, 2, "[T, E]")
@@ -259,6 +282,17 @@ def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared
             raise PrimitiveArgumentError("moe", "shared_gate", "is given without 'shared', which it would scale")
         if _check_rank("moe", "shared_gate", shared_gate, 2, "[T, 1]") != (t, 1):
             raise PrimitiveArgumentError("moe", "shared_gate", f"must be [{t}, 1], got {_shape(shared_gate)}")
+    for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
+        if bias is not None:
+            if _shape(bias) != shape:
+                raise PrimitiveArgumentError("moe", name, f"must be {list(shape)} (one row per expert), got {_shape(bias)}")
+            _check_float("moe", name, bias)
+    if activation is not None and activation not in MOE_ACTIVATIONS:
+        raise PrimitiveArgumentError("moe", "activation", f"must be one of {MOE_ACTIVATIONS} or None, got {activation!r}")
+    if activation == "swiglu_oai":
+        if swiglu_alpha is None or swiglu_limit is None or not swiglu_limit > 0:
+            raise PrimitiveArgumentError("moe", "swiglu_limit", "'swiglu_oai' needs swiglu_alpha and a swiglu_limit > 0, "
+                                         f"got {swiglu_alpha} and {swiglu_limit}")
 
 
 def check_lora(x, y, lora_a, lora_b, lora_indices, output_slices=None) -> None:

@@ -194,7 +194,8 @@ def call_attention(h: Harness, x: dict) -> None:
     if len(x["cached_slots"]):
         h.call("kv_write", helper=True, kv_cache_dtype=dtype, k=h.f(x["cached_k"]), v=h.f(x["cached_v"]),
                kv_cache=cache, slot_mapping=h.i(x["cached_slots"]), scales=scales)
-    named = dict(scale=x["scale"], sliding_window=x["sliding_window"], soft_cap=x["soft_cap"], kv_scales=scales)
+    named = dict(scale=x["scale"], sliding_window=x["sliding_window"], soft_cap=x["soft_cap"], kv_scales=scales,
+                 sinks=h.f(x.get("sinks")))
     head_dim = int(x["q"].shape[-1])
     meta = h.ops.prepare_metadata(x["meta"], **h.key("attention", kv_cache_dtype=dtype, head_dim=head_dim, **named))
     if len(x["new_k"]):
@@ -209,7 +210,9 @@ def call_moe(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
     out, counts = h.call("moe", x=xx, router_logits=h.f(x["router_logits"]), w13=h.f(x["w13"]), w2=h.f(x["w2"]),
                          top_k=x["top_k"], renormalize=x["renormalize"], shared=h.f(x["shared"]),
-                         shared_gate=h.f(x["shared_gate"]))
+                         shared_gate=h.f(x["shared_gate"]), w13_bias=h.f(x.get("w13_bias")),
+                         w2_bias=h.f(x.get("w2_bias")), activation=x.get("activation"),
+                         swiglu_alpha=x.get("swiglu_alpha"), swiglu_limit=x.get("swiglu_limit"))
     h.out("out", out, like=xx)
     h.out("tokens_per_expert", counts, dtype="int64")
 

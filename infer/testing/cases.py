@@ -78,6 +78,11 @@ def _attention_specs(block_size: int) -> list[tuple[str, dict]]:
         ("sliding_window8_gqa3_d64", dict(reqs=mixed, hq=6, d=64, sliding_window=8)),
         ("soft_cap_gqa3_d64", dict(reqs=mixed, hq=6, d=64, soft_cap=5.0, q_scale=4.0)),
         ("window_soft_cap_gqa8_d128", dict(reqs=mixed, hq=16, d=128, sliding_window=5, soft_cap=3.0, q_scale=3.0)),
+        # gpt-oss's attention sinks: a per-head logit in every softmax denominator.
+        ("sinks_mixed_gqa3_d64", dict(reqs=mixed, hq=6, d=64, sinks=2.0)),
+        ("sinks_window4_gqa8_d64", dict(reqs=mixed, hq=16, d=64, sliding_window=4, sinks=3.0, q_scale=2.0)),
+        ("sinks_decode_many_blocks_gqa8_d64", dict(reqs=[(1, 150), (1, 3), (1, 0)], hq=16, d=64, sinks=2.0)),
+        ("sinks_one_token_d64", dict(reqs=[(1, 1)], hq=2, d=64, sinks=1.0)),
         # fp8 (e4m3) caches: K and V stored as codes of value / scale.
         ("fp8_kv_mixed_gqa3_d64", dict(reqs=mixed, hq=6, d=64, kv_scales=(0.5, 2.0))),
         ("fp8_kv_decode_gqa8_d128", dict(reqs=[(1, 9), (1, 40), (1, 3)], hq=16, d=128, kv_scales=(0.25, 1.0))),
@@ -231,6 +236,11 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("shared_gated_top4", dict(top_k=4, renormalize=False, shared="gated")),
         ("shared_plain_top2", dict(top_k=2, renormalize=True, shared="plain")),
         ("shared_gated_one_token", dict(t=1, top_k=2, renormalize=False, shared="gated")),
+        # gpt-oss: biased experts, clamped SwiGLU (weights large enough that the clamp bites).
+        ("bias_swiglu_oai_top2_renorm", dict(top_k=2, renormalize=True, bias=True, activation="swiglu_oai",
+                                             w_scale=1.5, limit=0.75)),
+        ("bias_silu_top4_e16", dict(top_k=4, e=16, renormalize=True, bias=True)),
+        ("swiglu_oai_one_token", dict(t=1, top_k=4, renormalize=True, activation="swiglu_oai", w_scale=1.5, limit=1.0)),
     ])
     cases += _each_dtype("lora", [
         ("decode_4_slots", dict(t=7)), ("one_slice_rank16", dict(t=9, rank=16, k=64, slices=(24,))),

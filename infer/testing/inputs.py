@@ -115,14 +115,15 @@ def _mixed_blocks(rng, blocks_per_req: list[int], pages: list[int]) -> list[np.n
 
 
 def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None, soft_cap=None, q_scale=1.0,
-              kv_scales=None, pages=None):
+              kv_scales=None, pages=None, sinks=None):
     """A paged batch: `reqs` is (q_len, seq_len) per request; (1, 0) is a
     padding row (as a captured decode step pads its batch): slot -1, no key.
 
     Blocks are shuffled and block 0 is never used, so a backend that ignores
     `block_table` or assumes contiguous blocks reads wrong (or zero) K/V.
     `pages`: mixed block sizes (`AttentionMetadata.block_sizes`), request b's
-    blocks being `pages[b]` pages of `block_size` tokens each.
+    blocks being `pages[b]` pages of `block_size` tokens each. `sinks`: the
+    spread of per-head sink logits (gpt-oss's are of the scores' size).
     """
     q_lens = np.array([q for q, _ in reqs], dtype=np.int32)
     seq_lens = np.array([s for _, s in reqs], dtype=np.int32)
@@ -172,12 +173,16 @@ def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None,
         "meta": meta,
         "cache_shape": (num_pages + (max(pages) if pages else 0), block_size, hk, d),
         "scale": d**-0.5, "sliding_window": sliding_window, "soft_cap": soft_cap, "kv_scales": kv_scales,
+        "sinks": None if sinks is None else round_to_dtype(rng.normal(0.0, sinks, hq), dtype),
     }
 
 
-def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_expert=None, shared=None):
+def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_expert=None, shared=None, bias=False,
+        activation=None, limit=7.0, w_scale=1.0):
     """`hot_expert`: every token's top choice is that expert. `shared`:
-    'gated' (Qwen2-MoE's sigmoid-gated shared expert) or 'plain'."""
+    'gated' (Qwen2-MoE's sigmoid-gated shared expert) or 'plain'. `bias`:
+    per-expert biases; `activation` 'swiglu_oai' with clamp `limit`
+    (`w_scale` > 1 makes the clamp bite)."""
     # Router logits spaced >= 0.25 apart so no dtype rounding creates a tie by
     # accident; `ties` then makes the lowest-id-first rule decide on purpose.
     logits = np.stack([rng.permutation(e) * 0.5 - 2.0 + rng.uniform(0, 0.1, e) for _ in range(t)]) if t else np.zeros((0, e))
@@ -189,12 +194,17 @@ def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_exper
     return {
         "x": _normal(rng, (t, h), dtype),
         "router_logits": round_to_dtype(logits, dtype),
-        "w13": _normal(rng, (e, 2 * i, h), dtype, h**-0.5),
+        "w13": _normal(rng, (e, 2 * i, h), dtype, w_scale * h**-0.5),
         "w2": _normal(rng, (e, h, i), dtype, i**-0.5),
         "top_k": top_k,
         "renormalize": renormalize,
         "shared": _normal(rng, (t, h), dtype) if shared else None,
         "shared_gate": _normal(rng, (t, 1), dtype, 2.0) if shared == "gated" else None,
+        "w13_bias": _normal(rng, (e, 2 * i), dtype, 0.5) if bias else None,
+        "w2_bias": _normal(rng, (e, h), dtype, 0.5) if bias else None,
+        "activation": activation,
+        "swiglu_alpha": 1.702 if activation == "swiglu_oai" else None,
+        "swiglu_limit": limit if activation == "swiglu_oai" else None,
     }
 
 

@@ -163,18 +163,19 @@ def fused_ok(kv_cache: torch.Tensor) -> bool:
 
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
               sliding_window: int | None = None, soft_cap: float | None = None,
-              kv_scales: tuple[float, float] | None = None) -> torch.Tensor:
+              kv_scales: tuple[float, float] | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     if kv_scales is not None:
         raise ValueError("attention: backend 'ascend' has no fp8 KV cache (it declares kv_cache_dtypes "
                                   "('auto',)); allocate the cache in the model dtype")
     step = meta.plan
     if step is None:  # metadata built by hand, not by prepare_metadata: plan from its arrays (a device sync)
         step = plan_step(*_host_meta(meta))
-    if sliding_window is not None or soft_cap is not None or not fused_ok(kv_cache) or q.dtype == torch.float32:
+    if (sliding_window is not None or soft_cap is not None or sinks is not None or not fused_ok(kv_cache)
+            or q.dtype == torch.float32):
         # Declined in `supports` when the core can know it; a block size the
         # kernel does not page by is only known here. torch's ops run instead.
         return torch_attention.attention(q, kv_cache, replace(meta, plan=step.torch_plan), scale,
-                                         sliding_window, soft_cap)
+                                         sliding_window, soft_cap, None, sinks)
     t, hq, d = q.shape
     if t == 0:
         return torch.empty_like(q)

@@ -28,6 +28,7 @@ from .availability import probe, tensor_device
 _ATTENTION_DECLINES = {
     "sliding_window": "npu_fused_infer_attention_score's band mode (sparse_mode=4) is not wired up for sliding windows",
     "soft_cap": "npu_fused_infer_attention_score has no logit soft-cap",
+    "sinks": "npu_fused_infer_attention_score as wired here has no per-head sink logit",
 }
 
 
@@ -67,6 +68,9 @@ class AscendBackend(TorchTensors):
         if primitive == "moe":
             if kw.get("shared_expert"):
                 return Support(False, "backend 'ascend' moe has no shared expert yet")
+            if kw.get("expert_bias") or kw.get("moe_activation"):
+                return Support(False, "npu_grouped_matmul + npu_swiglu as chained here take no expert biases "
+                                      "and no clamped SwiGLU (gpt-oss)")
             return base
         if kw.get("dtype") == "float32":
             return Support(False, "npu_fused_infer_attention_score takes float16/bfloat16 queries only")

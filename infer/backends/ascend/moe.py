@@ -10,10 +10,12 @@ from .availability import torch_npu
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        renormalize: bool, shared=None, shared_gate=None) -> tuple[torch.Tensor, torch.Tensor]:
-    if shared is not None:
-        # Declined in AscendBackend.supports(shared_expert=True): Ops sends these calls to torch.
-        raise NotImplementedError("backend 'ascend' moe has no shared expert; resolve moe with shared_expert=True")
+        renormalize: bool, shared=None, shared_gate=None, w13_bias=None, w2_bias=None, activation=None,
+        swiglu_alpha=None, swiglu_limit=None) -> tuple[torch.Tensor, torch.Tensor]:
+    if shared is not None or w13_bias is not None or w2_bias is not None or activation not in (None, "silu"):
+        # Declined in AscendBackend.supports (shared_expert, expert_bias, moe_activation): Ops sends these calls to torch.
+        raise NotImplementedError("backend 'ascend' moe has no shared expert, expert biases or clamped SwiGLU; "
+                                  "resolve moe with the dispatch key")
     npu = torch_npu()
     num_tokens = x.shape[0]
     num_experts = w13.shape[0]

@@ -46,7 +46,8 @@ def context_pages(meta: AttentionMetadata, b: int) -> np.ndarray:
     return (blocks[:, None] * k + np.arange(k)).reshape(-1)[: -(-seq_len // page)]
 
 
-def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, soft_cap=None, kv_scales=None):
+def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, soft_cap=None, kv_scales=None,
+              sinks=None):
     t, hq, d = q.shape
     hk = kv_cache.shape[3]
     group = hq // hk
@@ -69,7 +70,14 @@ def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, 
         if soft_cap is not None:
             scores = soft_cap * np.tanh(scores / soft_cap)
         scores = np.where(allowed[None], scores, -np.inf)
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
+        top = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:  # one more logit per head in the denominator, reading no value
+            sink = np.asarray(sinks, np.float64)[:, None, None]
+            top = np.maximum(top, sink)
+        probs = np.exp(scores - top)
+        total = probs.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            total += np.exp(sink - top)
+        probs /= total
         out[start:end] = np.einsum("hqk,khd->qhd", probs, v)
     return out

@@ -1,5 +1,6 @@
-"""Routed experts: softmax top-k gating, SwiGLU experts, weighted combine,
-plus the optional gated shared expert."""
+"""Routed experts: softmax top-k gating, SwiGLU experts (or gpt-oss's clamped
+form, with per-expert biases), weighted combine, plus the optional gated
+shared expert."""
 
 from __future__ import annotations
 
@@ -21,15 +22,24 @@ def route(router_logits, top_k, renormalize):
     return ids, weights
 
 
-def expert(x, w13_e, w2_e):
-    """One SwiGLU expert on the rows of x (float64)."""
+def expert(x, w13_e, w2_e, b13_e=None, b2_e=None, activation=None, alpha=None, limit=None):
+    """One gated expert on the rows of x (float64): SwiGLU, or gpt-oss's clamped form."""
     i = w13_e.shape[0] // 2
     gate = x @ w13_e[:i].astype(np.float64).T
     up = x @ w13_e[i:].astype(np.float64).T
-    return (act(gate, "silu") * up) @ w2_e.astype(np.float64).T
+    if b13_e is not None:
+        gate, up = gate + b13_e[:i].astype(np.float64), up + b13_e[i:].astype(np.float64)
+    if activation == "swiglu_oai":
+        gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+        h = (up + 1.0) * gate / (1.0 + np.exp(-alpha * gate))
+    else:
+        h = act(gate, "silu") * up
+    y = h @ w2_e.astype(np.float64).T
+    return y if b2_e is None else y + b2_e.astype(np.float64)
 
 
-def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None):
+def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
+        activation=None, swiglu_alpha=None, swiglu_limit=None):
     t, h = x.shape
     n_experts = w13.shape[0]
     ids, weights = route(router_logits, top_k, renormalize)
@@ -39,7 +49,8 @@ def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=
         tokens, slot = np.nonzero(ids == e)
         if tokens.size == 0:  # an expert no token chose computes nothing
             continue
-        ye = expert(x64[tokens], w13[e], w2[e])
+        ye = expert(x64[tokens], w13[e], w2[e], None if w13_bias is None else w13_bias[e],
+                    None if w2_bias is None else w2_bias[e], activation, swiglu_alpha, swiglu_limit)
         np.add.at(out, tokens, weights[tokens, slot][:, None] * ye)
     if shared is not None:
         scale = 1.0 if shared_gate is None else 1.0 / (1.0 + np.exp(-shared_gate.astype(np.float64)))

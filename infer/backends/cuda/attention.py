@@ -67,7 +67,7 @@ _PER_STEP = ["window", "num_seqs", "num_splits", "min_split_tiles", "stride_bt",
 @triton.jit(do_not_specialize=_PER_STEP)
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     scale, v_mul, soft_cap, window, num_seqs, num_splits, min_split_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
@@ -75,7 +75,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, F32: tl.constexpr, FP8: tl.constexpr,
-    FP8_NATIVE: tl.constexpr, PRECISION: tl.constexpr,
+    FP8_NATIVE: tl.constexpr, PRECISION: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -142,6 +142,13 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        # The head's sink logit starts split 0's running softmax: (max, sum) = (sink, 1) with
+        # no value read, so it only adds to the denominator, once however the keys are split.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        first = row_ok & (split == 0)
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + b * stride_bt
     for start in range(s_lo, s_hi, TILE):
@@ -255,7 +262,8 @@ def launch_config(q_dtype: torch.dtype, max_query_len: int, group_pad: int, spli
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None, soft_cap: float | None = None,
                     kv_scales: tuple[float, float] | None = None,
-                    num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, config: dict | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[T, Hq, D] attention of every query row; rows of no request stay zero.
     `kv_scales` (k_scale, v_scale) only for an fp8 (uint8) cache, where None means 1.0.
     `config` overrides `launch_config` (for tuning)."""
@@ -294,7 +302,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         pstrides = (0, 0, 0)
     _paged_attention_kernel[grid](
         out, part_out, part_ml, q, k_cache, v_cache,
-        meta.block_table, meta.seq_lens, meta.query_start_loc,
+        meta.block_table, meta.seq_lens, meta.query_start_loc, q if sinks is None else sinks,
         float(scale), float(v_mul), float(soft_cap or 1.0), int(sliding_window or 0), num_seqs, num_splits,
         triton.cdiv(min_split_tokens, cfg["tile_n"]),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -303,7 +311,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         BLOCK_D=block_d, TILE=cfg["tile_n"], SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
         F32=compute_f32(q.dtype), FP8=fp8_cache, FP8_NATIVE=native, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_SINKS=sinks is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(num_seqs, num_heads)](

@@ -7,8 +7,8 @@ its requests at once into a padded ``[G, L, Hk, D]`` view and runs one masked
 attention over it; splitting keeps one long prefill from padding every decode
 row to its length. On CPU, torch's fused ``scaled_dot_product_attention`` beats
 explicit matmuls (it reads the strided gathered K/V without a transposed copy
-and never materialises the scores), so it is the path unless a soft-cap asks
-for the explicit scores.
+and never materialises the scores), so it is the path unless a soft-cap or
+attention sinks ask for the explicit scores.
 """
 
 from __future__ import annotations
@@ -262,8 +262,8 @@ def _chunk_mask(c: _ChunkIndex, window: int | None, dtype) -> torch.Tensor:
     return mask
 
 
-def _explicit_attention(q, k, v, mask, scale, soft_cap):
-    """Scores materialised in float32 (for soft-capping), chunked over queries.
+def _explicit_attention(q, k, v, mask, scale, soft_cap, sinks=None):
+    """Scores materialised in float32 (for soft-capping and sinks), chunked over queries.
 
     q [G, Hq, Q, D], k/v [G, Hk, L, D], mask [G, 1, Q, L] -> [G, Hq, Q, D].
     """
@@ -274,7 +274,10 @@ def _explicit_attention(q, k, v, mask, scale, soft_cap):
     # GQA: the query heads of one KV head become extra query rows, so K/V are never repeated.
     qf = q.float().view(gs, hk, group, nq, d).transpose(2, 3)  # [G, Hk, Q, group, D]
     out = torch.empty(gs, hk, nq, group, d, dtype=torch.float32, device=q.device)
-    step = max(1, _SCORE_CHUNK // (gs * hq * length))
+    step = max(1, _SCORE_CHUNK // (gs * hq * (length + 1)))
+    # A sink is one more logit per query head, in the denominator only: a last column of
+    # the scores whose probability is dropped before the values are read.
+    sink = None if sinks is None else sinks.float().view(1, hk, 1, group, 1)
     for lo in range(0, nq, step):
         hi = min(nq, lo + step)
         qc = qf[:, :, lo:hi].reshape(gs, hk, (hi - lo) * group, d)
@@ -282,7 +285,11 @@ def _explicit_attention(q, k, v, mask, scale, soft_cap):
         if soft_cap is not None:
             s = torch.tanh(s / soft_cap) * soft_cap
         s = s.view(gs, hk, hi - lo, group, length).masked_fill(~mask[:, :, lo:hi, None], float("-inf"))
-        p = torch.softmax(s, dim=-1).view(gs, hk, (hi - lo) * group, length)
+        if sink is not None:
+            s = torch.cat([s, sink.expand(gs, hk, hi - lo, group, 1)], dim=-1)
+            p = torch.softmax(s, dim=-1)[..., :length].reshape(gs, hk, (hi - lo) * group, length)
+        else:
+            p = torch.softmax(s, dim=-1).view(gs, hk, (hi - lo) * group, length)
         out[:, :, lo:hi] = torch.matmul(p, vf).view(gs, hk, hi - lo, group, d)
     return out.transpose(2, 3).reshape(gs, hq, nq, d).to(q.dtype)
 
@@ -302,7 +309,7 @@ def _ragged(g: AttentionGroup) -> bool:
     return n * g.max_q * g.seq_lens[0] > (1 + _RAGGED_WASTE) * own
 
 
-def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_scales=None) -> torch.Tensor:
+def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_scales=None, sinks=None) -> torch.Tensor:
     """Attention of the requests of chunk `c`: [G * max_q, Hq, D], padded rows included."""
     g = c.g
     hq, d = q.shape[1:]
@@ -316,9 +323,9 @@ def _chunk_attention(q, kv_cache, c: _ChunkIndex, scale, window, soft_cap, kv_sc
         qr = q.narrow(0, g.first_row, gs * g.max_q)
     else:
         qr = q.index_select(0, g.query_rows.flatten())
-    if soft_cap is not None:
+    if soft_cap is not None or sinks is not None:
         qg = qr.view(gs, g.max_q, hq, d).transpose(1, 2)  # [G, Hq, max_q, D]
-        out = _explicit_attention(qg, k, v, _chunk_mask(c, window, None), scale, soft_cap)
+        out = _explicit_attention(qg, k, v, _chunk_mask(c, window, None), scale, soft_cap, sinks)
     elif g.max_q == 1:
         # Decode: the query heads of a KV head are its query rows; no K/V repeat needed.
         qd = qr.view(gs, hk, hq // hk, d)
@@ -368,16 +375,16 @@ def _chunks(plan: GroupPlan, gi: int, g: AttentionGroup, kv_cache, meta, window)
 
 
 def _group_attention(q, kv_cache, meta, plan: GroupPlan, gi: int, scale, window, soft_cap,
-                     kv_scales=None) -> torch.Tensor:
+                     kv_scales=None, sinks=None) -> torch.Tensor:
     """[G * max_q, Hq, D] for a group, gathering at most ~_KV_CHUNK_BYTES of K/V at a time."""
     g = plan.groups[gi]
     chunks = _chunks(plan, gi, g, kv_cache, meta, window)
     if len(chunks) == 1:
-        return _chunk_attention(q, kv_cache, chunks[0], scale, window, soft_cap, kv_scales)
+        return _chunk_attention(q, kv_cache, chunks[0], scale, window, soft_cap, kv_scales, sinks)
     out = q.new_empty(g.requests.numel() * g.max_q, *q.shape[1:])
     row = 0
     for c in chunks:
-        part = _chunk_attention(q, kv_cache, c, scale, window, soft_cap, kv_scales)
+        part = _chunk_attention(q, kv_cache, c, scale, window, soft_cap, kv_scales, sinks)
         out[row : row + part.shape[0]] = part
         row += part.shape[0]
     return out
@@ -391,6 +398,7 @@ def attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: tuple[float, float] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lazy = meta.plan
     # Metadata built by hand has no plan: one from its (maybe device) arrays.
@@ -400,10 +408,10 @@ def attention(
         plan.memo_table = meta.block_table
     if plan.num_tokens == q.shape[0]:
         # One group answers every row: no zero-filled output to scatter into.
-        padded = _group_attention(q, kv_cache, meta, plan, 0, scale, sliding_window, soft_cap, kv_scales)
+        padded = _group_attention(q, kv_cache, meta, plan, 0, scale, sliding_window, soft_cap, kv_scales, sinks)
         return padded if plan.direct else padded.index_select(0, plan.out_rows)
     out = torch.zeros_like(q)  # rows past query_start_loc[-1] (padding) belong to no request
     for gi, g in enumerate(plan.groups):
-        padded = _group_attention(q, kv_cache, meta, plan, gi, scale, sliding_window, soft_cap, kv_scales)
+        padded = _group_attention(q, kv_cache, meta, plan, gi, scale, sliding_window, soft_cap, kv_scales, sinks)
         out.index_copy_(0, g.token_rows, padded.index_select(0, g.padded_rows))
     return out

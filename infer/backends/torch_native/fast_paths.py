@@ -37,9 +37,9 @@ def kv_write(k, v, kv_cache, slot_mapping, scales=None):
     return None if native.kv_write(k, v, kv_cache, slot_mapping, scales if fp8 else None) else NotImplemented
 
 
-def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None):
+def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None, sinks=None):
     plan = meta.plan
-    if not isinstance(plan, LazyPlan):
+    if not isinstance(plan, LazyPlan) or sinks is not None:
         return NotImplemented
     work = plan.row_keys * q.shape[1] * q.shape[2]
     return _served(native.attention(q, kv_cache, meta, scale, sliding_window, work,

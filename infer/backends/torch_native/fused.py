@@ -7,7 +7,7 @@ with bf16 activations on a CPU with AVX512-BF16, the native library runs the
 attention block (qkv GEMV, q/k norms, rotary, kv_write, attention, o GEMV) and the MLP
 (gate_up GEMV, SiLU- or GELU-tanh-and-mul, down GEMV) whole, through the same kernels and
 roundings as the primitives. Anything else (prefill-sized batches, other weight
-kinds, fp8 caches, layers without rope) is declined step by step, and the
+kinds, fp8 caches, layers without rope, attention sinks) is declined step by step, and the
 runner runs the node's primitives instead.
 """
 
@@ -58,7 +58,7 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
 
     def build():
         qkv, o = _gemv(params.get("qkv_proj")), _gemv(params.get("o_proj"))
-        if qkv is None or o is None or not attrs["rotary_dim"] or ctx.kv_cache_dtype == "fp8":
+        if qkv is None or o is None or not attrs["rotary_dim"] or ctx.kv_cache_dtype == "fp8" or "sinks" in params:
             return None
         heads = (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"])
         norms = None

@@ -20,6 +20,8 @@ depend on thread timing).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,35 +38,64 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return ids, weights
 
 
-def _experts(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Each expert's SwiGLU over its slice of the expert-sorted rows, in x's dtype."""
-    inter = w13.shape[1] // 2
+@dataclass(frozen=True, slots=True)
+class ExpertForm:
+    """What an expert computes besides its two weights: biases and the gated activation."""
+
+    w13_bias: torch.Tensor | None = None  # [E, 2I]
+    w2_bias: torch.Tensor | None = None  # [E, H]
+    activation: str | None = None  # None / 'silu': SwiGLU; 'swiglu_oai': gpt-oss's clamped form
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :inter], gate_up[..., inter:]
+        if self.activation != "swiglu_oai":
+            return F.silu(gate) * up
+        # In float32, rounded once: the clamp lets values reach the limit squared.
+        gate, up = gate.float().clamp(max=self.limit), up.float().clamp(-self.limit, self.limit)
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))).to(gate_up.dtype)
+
+
+_SWIGLU = ExpertForm()
+
+
+def _experts(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
+             form: ExpertForm = _SWIGLU) -> torch.Tensor:
+    """Each expert's gated MLP over its slice of the expert-sorted rows, in x's dtype."""
     y = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)
+    b13, b2 = form.w13_bias, form.w2_bias
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = slice(start, start + n)
-        gate_up = F.linear(x_sorted[rows], w13[e])
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        torch.mm(h, w2[e].t(), out=y[rows])
+        h = form.act(F.linear(x_sorted[rows], w13[e], None if b13 is None else b13[e].to(x_sorted.dtype)))
+        if b2 is None:
+            torch.mm(h, w2[e].t(), out=y[rows])
+        else:
+            y[rows] = F.linear(h, w2[e], b2[e].to(h.dtype))
         start += n
     return y
 
 
 def _experts_padded(x_sorted: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor, largest: int,
-                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                    w13: torch.Tensor, w2: torch.Tensor, form: ExpertForm = _SWIGLU) -> torch.Tensor:
     """The same as `_experts`, with groups zero-padded to `largest` rows and
     each projection one batched GEMM over the experts."""
     num_experts, two_i, hidden = w13.shape
-    inter = two_i // 2
     # Row j of the sorted rows is row `slot[j]` of its expert's group.
     slot = torch.arange(x_sorted.shape[0], device=x_sorted.device) - (torch.cumsum(counts, 0) - counts)[sorted_ids]
     groups = x_sorted.new_zeros(num_experts, largest, hidden)
     groups[sorted_ids, slot] = x_sorted
     gate_up = torch.bmm(groups, w13.transpose(1, 2))
-    h = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-    return torch.bmm(h, w2.transpose(1, 2))[sorted_ids, slot]
+    if form.w13_bias is not None:
+        gate_up += form.w13_bias.to(gate_up.dtype)[:, None]
+    y = torch.bmm(form.act(gate_up), w2.transpose(1, 2))
+    if form.w2_bias is not None:
+        y += form.w2_bias.to(y.dtype)[:, None]
+    return y[sorted_ids, slot]
 
 
 def moe(
@@ -76,6 +107,11 @@ def moe(
     renormalize: bool,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
@@ -86,10 +122,13 @@ def moe(
     x_sorted = x.index_select(0, order // top_k)
     # One host sync per call: slice bounds and the choice of path need Python ints.
     counts = tokens_per_expert.tolist()
+    form = _SWIGLU
+    if w13_bias is not None or w2_bias is not None or activation not in (None, "silu"):
+        form = ExpertForm(w13_bias, w2_bias, activation, float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0))
     if min(counts) > 0 and max(counts) * num_experts <= 2 * len(flat_ids):
-        y_sorted = _experts_padded(x_sorted, flat_ids[order], tokens_per_expert, max(counts), w13, w2)
+        y_sorted = _experts_padded(x_sorted, flat_ids[order], tokens_per_expert, max(counts), w13, w2, form)
     else:
-        y_sorted = _experts(x_sorted, counts, w13, w2)
+        y_sorted = _experts(x_sorted, counts, w13, w2, form)
     # Row j of the sorted buffer is (token, choice) pair order[j]: put it back.
     y = torch.empty_like(y_sorted)
     y.index_copy_(0, order, y_sorted)

@@ -98,8 +98,55 @@ def slice_of(ckpt: Any, name: str, axis: int, start: int, stop: int) -> np.ndarr
     return np.ascontiguousarray(ckpt.read(name)[(slice(None),) * axis + (slice(start, stop),)])
 
 
+class InterleavedExperts:
+    """gpt-oss's expert tensors in the fused layout above.
+
+    Its checkpoints (and transformers' module) store ``experts.gate_up_proj``
+    as [E, H, 2I] with gate and up columns interleaved (gate at even columns),
+    ``gate_up_proj_bias`` [E, 2I] interleaved alike, and ``down_proj`` as
+    [E, I, H]: this view reads them as [E, 2I, H] gate rows then up rows,
+    [E, 2I] gate biases then up biases, and [E, H, I].
+    """
+
+    _GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj(_bias)?$")
+    _DOWN = re.compile(r"\.mlp\.experts\.down_proj$")
+
+    def __init__(self, ckpt: Any):
+        self._ckpt = ckpt
+        self.names = list(ckpt.names)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._ckpt, attr)
+
+    def nbytes(self, name: str) -> int:
+        return self._ckpt.nbytes(name)
+
+    def read(self, name: str) -> np.ndarray:
+        x = self._ckpt.read(name)
+        if self._GATE_UP.search(name):
+            x = x if name.endswith("_bias") else x.transpose(0, 2, 1)  # [E, 2I, H], rows interleaved
+            return np.ascontiguousarray(np.concatenate([x[:, 0::2], x[:, 1::2]], axis=1))
+        if self._DOWN.search(name):
+            return np.ascontiguousarray(x.transpose(0, 2, 1))
+        return x
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = tuple(self._ckpt.shape(name))
+        if (self._GATE_UP.search(name) and not name.endswith("_bias")) or self._DOWN.search(name):
+            return (shape[0], shape[2], shape[1])
+        return shape
+
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        if self._GATE_UP.search(name) or self._DOWN.search(name):  # the whole tensor, reordered, then cut
+            return np.ascontiguousarray(self.read(name)[(slice(None),) * axis + (slice(start, stop),)])
+        return slice_of(self._ckpt, name, axis, start, stop)
+
+
 def fuse_experts(ckpt: Any) -> Any:
-    """`ckpt` itself when it holds no per-expert tensors, else a `FusedExperts` view of it."""
+    """`ckpt` itself when it holds no per-expert tensors, else a `FusedExperts` view of it
+    (an `InterleavedExperts` one for gpt-oss)."""
+    if (getattr(ckpt, "config", None) or {}).get("architectures", [""])[0] == "GptOssForCausalLM":
+        return InterleavedExperts(ckpt)
     found: dict[str, dict[str, dict[str, dict[int, str]]]] = {}
     names: list[str] = []
     for n in ckpt.names:

@@ -53,6 +53,7 @@ class ModelConfig:
     embed_scale_rounded: bool = False  # Gemma multiplies by the scale in the model dtype
     residual_scale: float | None = None  # Granite: attention and MLP outputs scaled before the residual add
     logit_scale: float | None = None  # Granite: logits / logits_scaling
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax denominator
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -123,6 +124,9 @@ def normalize_config(cfg: dict) -> ModelConfig:
         layer_types = cfg.get("layer_types") or [
             "full_attention" if (i + 1) % (2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern", 6))) == 0
             else "sliding_attention" for i in range(layers)]
+    elif arch == "GptOssForCausalLM":  # transformers' default: windowed layers first, alternating
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     else:
         layer_types = cfg.get("layer_types")
     if layer_types is not None and len(layer_types) != layers:
@@ -186,4 +190,6 @@ def _architecture_fields(arch: str, cfg: dict, hidden: int, head_dim: int, layer
         return dict(rope_layers=tuple(bool(f) for f in flags))
     if arch == "Glm4ForCausalLM":
         return dict(norm_layout="sandwich", fused_gate_up=True, neox_style=False)
+    if arch == "GptOssForCausalLM":
+        return dict(attn_sinks=True)
     return {}

@@ -112,6 +112,8 @@ def attention_block(g: Graph, cfg: ModelConfig, i: int) -> None:
                                    shard="column", parts=qkv_rows)
     if cfg.o_bias:
         attn["o_bias"] = g.param(f"{n}.o_bias", (h,), f"{p}.self_attn.o_proj.bias")
+    if cfg.attn_sinks:  # one per query head: split with the heads under TP
+        attn["sinks"] = g.param(f"{n}.sinks", (cfg.num_heads,), f"{p}.self_attn.sinks")
     if cfg.qk_norm:
         qn, kn = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (d, d)
         attn["q_norm"] = g.param(f"{n}.q_norm", (qn,), f"{p}.self_attn.q_norm.weight", offset=cfg.norm_offset)

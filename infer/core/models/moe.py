@@ -12,6 +12,10 @@ differ only in what `MoESpec` records:
   ``sigmoid(shared_expert_gate(x))``; layers in ``mlp_only_layers`` or off
   the ``decoder_sparse_step`` are dense.
 - Qwen3-MoE: Qwen3's q/k norm, ``norm_topk_prob``, no shared expert.
+- gpt-oss: a router with a bias, whose top-k logits' softmax (the top-k of
+  the full softmax, renormalised) weighs experts with biases and a clamped
+  SwiGLU (``swiglu_oai``); attention with sinks, biases, and windowed layers
+  alternating with full ones (the attention side is `ModelConfig` flags).
 
 Expert weights are read in transformers' fused layout
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]);
@@ -27,7 +31,7 @@ from ..graph import Graph
 from .config import ModelConfig, normalize_config
 from .llama import build_decoder, dense_mlp
 
-ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,11 @@ class MoESpec:
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False
     sparse_layers: frozenset[int] = frozenset()
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str | None = None  # None: SwiGLU; "swiglu_oai": gpt-oss's clamped form
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 def moe_spec(config: dict, num_layers: int) -> MoESpec:
@@ -51,6 +60,11 @@ def moe_spec(config: dict, num_layers: int) -> MoESpec:
     experts, top_k = int(experts), int(config["num_experts_per_tok"])
     if arch == "MixtralForCausalLM":
         return MoESpec(experts, top_k, True, int(config["intermediate_size"]), sparse_layers=frozenset(range(num_layers)))
+    if arch == "GptOssForCausalLM":
+        return MoESpec(experts, top_k, True, int(config["intermediate_size"]), sparse_layers=frozenset(range(num_layers)),
+                       router_bias=True, expert_bias=True, activation="swiglu_oai",
+                       swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+                       swiglu_limit=float(config.get("swiglu_limit", 7.0)))
     if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         raise ValueError(f"{arch!r} is not an MoE architecture infer knows (known: {', '.join(ARCHITECTURES)})")
     step = int(config.get("decoder_sparse_step") or 1)
@@ -99,15 +113,25 @@ def sparse_block(g: Graph, cfg: ModelConfig, spec: MoESpec, i: int) -> None:
     p, n = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
     h, e, inter = cfg.hidden_size, spec.num_experts, spec.expert_intermediate_size
     params = {
-        "router": g.param(f"{n}.router", (e, h), f"{p}.gate.weight"),
+        # gpt-oss names its router `router` (with a bias); the others `gate`
+        "router": g.param(f"{n}.router", (e, h), f"{p}.{'router' if spec.router_bias else 'gate'}.weight"),
         # Tensor parallel inside experts (see core/parallel.py): each expert's gate and up rows split like an MLP's.
         "w13": g.param(f"{n}.w13", (e, 2 * inter, h), f"{p}.experts.gate_up_proj", shard="column", parts=(inter, inter)),
         "w2": g.param(f"{n}.w2", (e, h, inter), f"{p}.experts.down_proj", shard="row"),
     }
+    if spec.router_bias:
+        params["router_bias"] = g.param(f"{n}.router_bias", (e,), f"{p}.router.bias")
+    if spec.expert_bias:
+        params["w13_bias"] = g.param(f"{n}.w13_bias", (e, 2 * inter), f"{p}.experts.gate_up_proj_bias", shard="column",
+                                     parts=(inter, inter))
+        params["w2_bias"] = g.param(f"{n}.w2_bias", (e, h), f"{p}.experts.down_proj_bias")
     inputs = ["normed"]
     if spec.shared_intermediate_size:
         dense_mlp(g, cfg, i, spec.shared_intermediate_size, module="mlp.shared_expert", out="shared")
         inputs.append("shared")
         if spec.shared_gate:
             params["shared_gate"] = g.param(f"{n}.shared_gate", (1, h), f"{p}.shared_expert_gate.weight")
-    g.add("moe", n, inputs, ["hidden"], params, layer=i, top_k=spec.top_k, renormalize=spec.renormalize)
+    extra = {}
+    if spec.activation is not None:
+        extra = dict(activation=spec.activation, swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit)
+    g.add("moe", n, inputs, ["hidden"], params, layer=i, top_k=spec.top_k, renormalize=spec.renormalize, **extra)
