@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_model, meta_for, random_model
+from tiny_models import add_gguf_shape, make_model, meta_for, random_model
 
 from infer.core.llm import LLM
 from infer.core.lowering import lower
@@ -149,3 +149,69 @@ def test_rope_tables_equal_transformers_rope_functions(rope, served):
     config = cfg.to_dict()
     got = cos_sin_cache(config, 32, served)
     np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+# -- GGUF files of Gemma 2/3, written as llama.cpp's converter writes them --------------------------
+def _write_gemma_gguf(model, path):
+    """convert_hf_to_gguf.py's Gemma2Model / Gemma3Model: norm weights stored as 1 + w, the tied
+    lm_head left out, soft-caps and the window as metadata, Gemma 3's global rope base and linear
+    scaling; gguf-py's own tensor-name map."""
+    import gguf
+
+    c = model.config
+    arch = gguf.MODEL_ARCH.GEMMA2 if c.model_type == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    add_gguf_shape(w, c, c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    else:
+        full = c.rope_parameters["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        value = value.float().numpy()
+        if name.endswith("norm.weight"):
+            value = value + 1
+        base, suffix = name.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+# llama.cpp fixes what GGUF does not store: Gemma 2 alternates windowed and full layers, Gemma 3
+# windows five layers of six with a local rope base of 10000, and both scale attention by
+# head_dim (query_pre_attn_scalar = head_dim) below 27B. The tiny models follow those rules.
+GGUF_GEMMA = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=6, attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+        num_hidden_layers=7, sliding_window=5,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+
+
+@pytest.mark.parametrize("kind", list(GGUF_GEMMA))
+def test_gemma_gguf_written_like_llama_cpp_gives_transformers_tokens(kind, tmp_path, leak_check):
+    cfg_cls, model_cls, extra = GGUF_GEMMA[kind]
+    model, _, _ = random_model(cfg_cls, model_cls, **{**dict(intermediate_size=160, num_hidden_layers=2,
+                                                             vocab_size=VOCAB, pad_token_id=0,
+                                                             max_position_embeddings=256), **extra})
+    if kind == "gemma3":  # the default pattern: layers 0-4 windowed, 5 full, 6 windowed
+        assert model.config.layer_types[4:] == ["sliding_attention", "full_attention", "sliding_attention"]
+    path = _write_gemma_gguf(model, tmp_path / f"{kind}.gguf")
+    llm = _llm(path, leak_check, backend="torch", dtype="float32")
+    assert _generate(llm) == [_greedy(model, p) for p in PROMPTS]

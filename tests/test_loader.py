@@ -16,6 +16,7 @@ import struct
 import numpy as np
 import pytest
 from conftest import require_smollm2
+from tiny_models import add_gguf_shape
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -248,17 +249,9 @@ def write_gguf(model, arch: str, path, qtype=None, extra_tensors=()):
     """Convert a transformers model to GGUF like llama.cpp: its names, its q/k permutation, its metadata."""
     c = model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
     head_dim = hf_field(c, "head_dim")
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    add_gguf_shape(w, c, head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(head_dim)
     if c.bos_token_id is not None:

@@ -114,3 +114,16 @@ def meta_for(chunks, block_size, tables):
     table = np.array([list(t) + [0] * (width - len(t)) for t in tables], np.int32)
     return AttentionMetadata(qsl, seq_lens, table, np.array(slots, np.int64), max(q for _, q in chunks),
                              int(seq_lens.max()), block_size)
+
+
+def add_gguf_shape(writer, config, head_dim: int) -> None:
+    """The size metadata every llama.cpp conversion writes (layers, widths, heads, norm eps)."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -5,7 +5,7 @@ Tensors are dequantized to float32 with the `gguf` package (Q4_1: per block of
 converter permutes the rows of a Llama q/k projection from HF's rotary layout
 (per head: first half, second half) into its interleaved one (pairs); `read`
 undoes that, so every weight comes out exactly as the HF checkpoint holds it.
-Qwen2/Qwen3 files are stored unpermuted.
+Qwen2/Qwen3 and Gemma 2/3 files are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -30,7 +30,17 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),  # llama.cpp stores Mistral as llama too
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+# Gemma's four norms per layer: llama.cpp calls the one before the MLP `ffn_norm` (HF's
+# pre_feedforward_layernorm), the one after attention `post_attention_norm`.
+_GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+# What llama.cpp fixes for an architecture instead of storing it: the period of its
+# windowed/full layer pattern (the last layer of each period is full) and the layer count of
+# the 27B models, whose attention scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim).
+_GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
 _PERMUTED_QK = {"llama"}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -54,14 +64,15 @@ _REFETCH = "re-download the GGUF file"
 CHUNK_BYTES = 4 << 20
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in _GEMMA else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
 
 
@@ -105,7 +116,7 @@ class GGUFCheckpoint:
         for name, tensor in self._gguf_tensors.items():
             if name in _CONFIG_TENSORS:
                 continue
-            mapped = hf_name(name)
+            mapped = hf_name(name, self.arch)
             if mapped is None:
                 raise LoaderError(f"{path}: tensor {name!r} has no Hugging Face name in infer's GGUF map for "
                                   f"{self.arch}; this GGUF variant is not supported yet")
@@ -158,7 +169,37 @@ class GGUFCheckpoint:
             cfg["attention_bias"] = "blk.0.attn_q.bias" in self._gguf_tensors
         if (window := self._arch_field("attention.sliding_window")) is not None:
             cfg["sliding_window"] = int(window)
+        if self.arch in _GEMMA:
+            cfg.update(self._gemma_config(cfg))
         return cfg
+
+    def _gemma_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 2/3 as llama.cpp reads them: its converter stores norm weights as 1 + w
+        (so no offset is added at load), and the layer pattern, local rope base and
+        attention scale are fixed by the architecture (and model size) rather than stored."""
+        period, layers_27b = _GEMMA[self.arch]
+        layers = cfg["num_hidden_layers"]
+        pattern = self._arch_field("attention.sliding_window_pattern")
+        if isinstance(pattern, (list, tuple)):  # newer files: one flag per layer, true where windowed
+            windowed = [bool(p) for p in pattern]
+        else:
+            n = int(pattern or period)
+            windowed = [i % n < n - 1 for i in range(layers)]
+        out: dict[str, Any] = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+            "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if layers == layers_27b
+            else cfg["head_dim"],
+            "attn_logit_softcapping": self._arch_field("attn_logit_softcapping"),
+            "final_logit_softcapping": self._arch_field("final_logit_softcapping"),
+            "gguf_norm_shift": 1.0,
+        }
+        if cfg.get("sliding_window") is None:  # no window stored: every layer attends fully
+            out["layer_types"] = ["full_attention"] * layers
+            out["sliding_window"] = None
+        if self.arch == "gemma3":
+            out["rope_local_base_freq"] = 10000.0
+        return out
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._arch_field("rope.scaling.type")

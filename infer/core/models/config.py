@@ -172,7 +172,9 @@ def _architecture_fields(arch: str, cfg: dict, hidden: int, head_dim: int, layer
                 # transformers 4 configs: the local base alone, no scaling
                 local = {"rope_type": "default", "rope_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
             variants["sliding_attention"] = local
-        return dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=hidden**0.5, embed_scale_rounded=True,
+        # A GGUF's norms already hold 1 + w (llama.cpp's converter adds it): `gguf_norm_shift` 1.
+        shift = float(cfg.get("gguf_norm_shift", 0.0))
+        return dict(norm_layout="sandwich", norm_offset=1.0 - shift, embed_scale=hidden**0.5, embed_scale_rounded=True,
                     attn_scale=float(scalar) ** -0.5 if scalar else None,
                     attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"),
                     rope_variants=variants)
