@@ -5,6 +5,8 @@ as an HF directory, served by `LLM`, gives transformers' greedy tokens.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -103,12 +105,15 @@ def test_longrope_uses_long_factors_when_the_served_context_passes_the_original(
     np.testing.assert_allclose(backend.to_numpy(got), want, atol=1e-4)
 
 
-def test_olmo2_refuses_tensor_parallelism_with_a_reason():
+def test_olmo2_refuses_tensor_parallelism_that_splits_its_heads_unevenly():
+    """OLMo 2's q/k norms span all heads: the ranks gather them whole, which takes an even
+    split (TP=2 runs: `test_distributed`); 4 query heads over 3 ranks are refused with why."""
     from infer.core.parallel import shard_graph
 
     _, config, _ = make_model("olmo2")
-    with pytest.raises(ValueError, match="over all heads"):
-        shard_graph(build_llama(config), 0, 2)
+    assert shard_graph(build_llama(config), 1, 2).config.num_heads == 4
+    with pytest.raises(ValueError, match=r"needs 3 to divide num_attention_heads \(4\)"):
+        shard_graph(build_llama(config), 0, 3)
 
 
 @pytest.mark.parametrize("rope,served", [
@@ -151,23 +156,46 @@ def test_rope_tables_equal_transformers_rope_functions(rope, served):
     np.testing.assert_allclose(got, want, atol=2e-4)
 
 
-# -- GGUF files of Gemma 2/3, written as llama.cpp's converter writes them --------------------------
-def _write_gemma_gguf(model, path):
-    """convert_hf_to_gguf.py's Gemma2Model / Gemma3Model: norm weights stored as 1 + w, the tied
-    lm_head left out, soft-caps and the window as metadata, Gemma 3's global rope base and linear
-    scaling; gguf-py's own tensor-name map."""
+# -- GGUF files written as llama.cpp's converter writes them ------------------------------------------
+def _write_gguf(model, path):
+    """convert_hf_to_gguf.py for Gemma 2/3, Granite, OLMo 2 and Phi-3, with gguf-py's own tensor-name map.
+    Gemma: norm weights stored as 1 + w, the tied lm_head left out, soft-caps and the window as
+    metadata, Gemma 3's global rope base and linear scaling. Granite (a LlamaModel): q/k rows
+    permuted into llama.cpp's rotary layout, the multipliers as `*_scale` keys. OLMo 2: as stored.
+    Phi-3: fused qkv and gate/up as stored, LongRoPE's factors as tensors."""
     import gguf
 
+    from test_loader import llama_cpp_permute
+
     c = model.config
-    arch = gguf.MODEL_ARCH.GEMMA2 if c.model_type == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+    arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+            "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "phi3": gguf.MODEL_ARCH.PHI3}[c.model_type]
+    gemma = arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    add_gguf_shape(w, c, c.head_dim)
-    w.add_sliding_window(c.sliding_window)
-    if arch == gguf.MODEL_ARCH.GEMMA2:
+    add_gguf_shape(w, c, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    if arch == gguf.MODEL_ARCH.GRANITE:
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_logit_scale(c.logits_scaling)
+    if arch == gguf.MODEL_ARCH.PHI3:  # Phi3MiniModel: rotated dims, the window (0: none), LongRoPE's factors
+        rope = c.rope_parameters
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_sliding_window(c.sliding_window or 0)
+        scale = c.max_position_embeddings / rope["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    if not gemma:
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    elif arch == gguf.MODEL_ARCH.GEMMA2:
+        w.add_sliding_window(c.sliding_window)
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
         w.add_final_logit_softcapping(c.final_logit_softcapping)
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     else:
+        w.add_sliding_window(c.sliding_window)
         full = c.rope_parameters["full_attention"]
         w.add_rope_freq_base(full["rope_theta"])
         if full.get("rope_type") == "linear":
@@ -175,11 +203,14 @@ def _write_gemma_gguf(model, path):
             w.add_rope_scaling_factor(full["factor"])
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
     for name, value in model.state_dict().items():
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and (gemma or c.tie_word_embeddings):
             continue
         value = value.float().numpy()
-        if name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             value = value + 1
+        if arch == gguf.MODEL_ARCH.GRANITE and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            value = llama_cpp_permute(value, heads)
         base, suffix = name.rsplit(".", 1)
         w.add_tensor(f"{names.get_name(base)}.{suffix}", value)
     w.write_header_to_file()
@@ -212,6 +243,13 @@ def test_gemma_gguf_written_like_llama_cpp_gives_transformers_tokens(kind, tmp_p
                                                              max_position_embeddings=256), **extra})
     if kind == "gemma3":  # the default pattern: layers 0-4 windowed, 5 full, 6 windowed
         assert model.config.layer_types[4:] == ["sliding_attention", "full_attention", "sliding_attention"]
-    path = _write_gemma_gguf(model, tmp_path / f"{kind}.gguf")
+    path = _write_gguf(model, tmp_path / f"{kind}.gguf")
     llm = _llm(path, leak_check, backend="torch", dtype="float32")
+    assert _generate(llm) == [_greedy(model, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["granite", "olmo2", "phi3"])
+def test_granite_olmo2_phi3_gguf_written_like_llama_cpp_give_transformers_tokens(saved, kind, tmp_path, leak_check):
+    model, _ = saved[kind]
+    llm = _llm(_write_gguf(model, tmp_path / f"{kind}.gguf"), leak_check, backend="torch", dtype="float32")
     assert _generate(llm) == [_greedy(model, p) for p in PROMPTS]

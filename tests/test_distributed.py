@@ -256,14 +256,15 @@ def tiny_dirs(tmp_path_factory):
     save_moe_model("gpt_oss", root / "gpt_oss")
     # Gemma 3 (tied, scaled embeddings; per-head q/k norms; local and global rope), Gemma 2 (soft-capped
     # logits after the gathered vocabulary), Phi-3 (fused qkv and gate_up tensors cut per part)
-    for kind in ("gemma3", "gemma2", "phi3"):
+    # OLMo 2: q/k norms over all heads, each rank's q and k gathered for them
+    for kind in ("gemma3", "gemma2", "phi3", "olmo2"):
         make_model(kind)[0].save_pretrained(root / kind)
     return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3",
-                                       "gpt_oss")}
+                                       "gpt_oss", "olmo2")}
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3",
-                                  "gpt_oss"])
+                                  "gpt_oss", "olmo2"])
 def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
     engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
     [one] = generate(tiny_dirs[kind], engine)

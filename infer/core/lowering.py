@@ -141,10 +141,23 @@ def _attention(g: Graph, n: Node) -> list[Call]:
     ]
     whole = "q_norm" in p and a.get("qk_norm") == "whole"
     if whole:
-        # OLMo 2 normalises q and k over the whole projection (all heads) before rotary.
+        # OLMo 2 normalises q and k over the whole projection (all heads) before rotary;
+        # under tensor parallelism each rank gathers the ranks' heads (an even split,
+        # checked by `parallel.shard_graph`), normalises them whole and keeps its own.
         for t, heads in (("q", hq), ("k", hk)):
-            calls.append(Call("rms_norm", name, (v + t,), (v + t + "n",), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
-                              (("T", heads * d),), L))
+            width, src, out = heads * d, v + t, v + t + "n"
+            if g.tp_size > 1:
+                full = width * g.tp_size
+                calls.append(Call("all_gather", name, (src,), (v + t + "g",), {}, {"dim": -1, "group": TP_GROUP},
+                                  (("T", full),), L))
+                src, out = v + t + "g", v + t + "gn"
+            calls.append(Call("rms_norm", name, (src,), (out,), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
+                              (("T", full if g.tp_size > 1 else width),), L))
+            if g.tp_size > 1:
+                lo = g.tp_rank * width
+                calls.append(Call("split", name, (out,), (v + t + ".before", v + t + "n", v + t + ".after"), {},
+                                  {"sizes": (lo, width, full - lo - width)},
+                                  (("T", lo), ("T", width), ("T", full - lo - width)), L))
     for t, heads in (("q", hq), ("k", hk), ("v", hk)):
         src = v + t + ("n" if whole and t != "v" else "")
         calls.append(Call("reshape", name, (src,), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L))

@@ -22,6 +22,9 @@ follows with an `all_reduce`:
 - KV heads: each rank keeps the KV heads its query heads read, so they are
   split when there are at least as many as ranks and replicated when fewer
   (see `HeadLayout`);
+- OLMo 2's q/k norms over all heads: each rank all-gathers q and k, normalises
+  them whole (the norm weights replicated) and keeps its own heads (lowering);
+  this takes heads split evenly, none replicated;
 - attention sinks follow their query heads; expert biases follow their rows
   (``w13_bias`` split like ``w13``, ``w2_bias`` on rank 0 only);
 - norms, the router and the shared-expert gate replicated.
@@ -95,9 +98,13 @@ def shard_graph(graph: Graph, rank: int, size: int) -> Graph:
     params = {name: _shard_param(p, roles.get(name, ""), heads, d, rank, size) for name, p in graph.params.items()}
     nodes = []
     for node in graph.nodes:
-        if node.op == "attention" and node.attrs.get("qk_norm") == "whole" and "q_norm" in node.params:
-            raise ValueError(f"{graph.architecture} normalises q and k over all heads at once; "
-                             "tensor parallelism would need them gathered first, which infer does not do yet")
+        if (node.op == "attention" and node.attrs.get("qk_norm") == "whole" and "q_norm" in node.params
+                and (cfg.num_heads % size or cfg.num_kv_heads % size)):
+            # The ranks' q and k are gathered whole for their norms (lowering), which needs every
+            # rank to hold its own equal share of the heads, none replicated.
+            raise ValueError(f"{graph.architecture} normalises q and k over all heads at once, which under tensor "
+                             f"parallelism needs {size} to divide num_attention_heads ({cfg.num_heads}) and "
+                             f"num_key_value_heads ({cfg.num_kv_heads})")
         if node.op == "attention":
             node = dataclasses.replace(node, attrs={**node.attrs, "num_heads": heads.num_heads,
                                                      "num_kv_heads": heads.num_kv_heads})

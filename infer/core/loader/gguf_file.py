@@ -5,7 +5,7 @@ Tensors are dequantized to float32 with the `gguf` package (Q4_1: per block of
 converter permutes the rows of a Llama q/k projection from HF's rotary layout
 (per head: first half, second half) into its interleaved one (pairs); `read`
 undoes that, so every weight comes out exactly as the HF checkpoint holds it.
-Qwen2/Qwen3 and Gemma 2/3 files are stored unpermuted.
+Granite's are permuted too; Qwen2/Qwen3, Gemma 2/3 and OLMo 2 files are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -32,16 +32,21 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "granite": ("GraniteForCausalLM", "granite"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
+# Phi-3 keeps q/k/v in one tensor and gate/up in `ffn_up`, as its HF checkpoint does.
+_PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Gemma's four norms per layer: llama.cpp calls the one before the MLP `ffn_norm` (HF's
 # pre_feedforward_layernorm), the one after attention `post_attention_norm`.
-_GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                      "post_ffw_norm": "post_feedforward_layernorm"}
+_POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **_POST_NORM_NAMES}
 # What llama.cpp fixes for an architecture instead of storing it: the period of its
 # windowed/full layer pattern (the last layer of each period is full) and the layer count of
 # the 27B models, whose attention scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim).
 _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
-_PERMUTED_QK = {"llama"}
+_PERMUTED_QK = {"llama", "granite"}  # converted by llama.cpp's LlamaModel (or a subclass)
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -58,7 +63,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Tensors that are config, not weights: llama.cpp bakes Llama 3 rope scaling into rope_freqs.
-_CONFIG_TENSORS = {"rope_freqs.weight"}
+_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _REFETCH = "re-download the GGUF file"
 # Float32 bytes of the row chunks `GGUFCheckpoint.read` dequantizes at a time (bounds its temporaries).
 CHUNK_BYTES = 4 << 20
@@ -70,7 +75,13 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in _GEMMA else _LAYER_NAMES
+    names = _LAYER_NAMES
+    if arch in _GEMMA:
+        names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES}
+    elif arch == "olmo2":  # norms after attention and the MLP only
+        names = {**_LAYER_NAMES, **_POST_NORM_NAMES}
+    elif arch == "phi3":
+        names = {**_LAYER_NAMES, **_PHI3_LAYER_NAMES}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
@@ -171,7 +182,40 @@ class GGUFCheckpoint:
             cfg["sliding_window"] = int(window)
         if self.arch in _GEMMA:
             cfg.update(self._gemma_config(cfg))
+        if self.arch == "phi3":
+            cfg.update(self._phi3_config(cfg))
+        if self.arch == "granite":  # llama.cpp names the multipliers scales; logit_scale divides the logits
+            for key, hf_key in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                                ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+                if (value := self._arch_field(key)) is not None:
+                    cfg[hf_key] = float(value)
         return cfg
+
+    def _phi3_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Phi-3 as llama.cpp's converter writes it: the rotated dims as rope.dimension_count,
+        LongRoPE's factors as two tensors beside the original context length, and a window
+        of 0 for none (Phi-4-mini)."""
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        out: dict[str, Any] = {"head_dim": head_dim,
+                               "partial_rotary_factor": int(self._arch_field("rope.dimension_count", head_dim)) / head_dim,
+                               "attention_bias": False}
+        if not cfg.get("sliding_window"):
+            out["sliding_window"] = None
+        orig = self._arch_field("rope.scaling.original_context_length")
+        if orig is not None:
+            out["original_max_position_embeddings"] = int(orig)
+        if "rope_factors_long.weight" in self._gguf_tensors:
+            from gguf import dequantize
+
+            def factors(name: str) -> list[float]:
+                t = self._gguf_tensors[name]
+                return [float(f) for f in np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(-1)]
+
+            out["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+                                   "short_factor": factors("rope_factors_short.weight")}
+            if orig is not None:
+                out["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+        return out
 
     def _gemma_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """Gemma 2/3 as llama.cpp reads them: its converter stores norm weights as 1 + w
