@@ -157,19 +157,37 @@ def test_rope_tables_equal_transformers_rope_functions(rope, served):
 
 
 # -- GGUF files written as llama.cpp's converter writes them ------------------------------------------
+def _assert_gguf_matches(llm, model):
+    """Greedy tokens equal transformers', and so does each chosen token's log-probability (atol 5e-5):
+    tokens alone can survive a wrong rotary on one layer of a tiny random model."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens = list(out.outputs[0].token_ids)
+        assert tokens == _greedy(model, prompt)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        want = torch.log_softmax(logits.double(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+        got = np.array([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)])
+        np.testing.assert_allclose(got, want, atol=5e-5)
+
+
 def _write_gguf(model, path):
-    """convert_hf_to_gguf.py for Gemma 2/3, Granite, OLMo 2 and Phi-3, with gguf-py's own tensor-name map.
+    """convert_hf_to_gguf.py for Gemma 2/3, Granite, OLMo 2, Phi-3, SmolLM3 and GLM-4, with gguf-py's
+    own tensor-name map.
     Gemma: norm weights stored as 1 + w, the tied lm_head left out, soft-caps and the window as
     metadata, Gemma 3's global rope base and linear scaling. Granite (a LlamaModel): q/k rows
     permuted into llama.cpp's rotary layout, the multipliers as `*_scale` keys. OLMo 2: as stored.
-    Phi-3: fused qkv and gate/up as stored, LongRoPE's factors as tensors."""
+    Phi-3: fused qkv and gate/up as stored, LongRoPE's factors as tensors. SmolLM3 (a LlamaModel):
+    q/k permuted, nothing about its layers without rope. GLM-4: the rotated dims."""
     import gguf
 
     from test_loader import llama_cpp_permute
 
     c = model.config
     arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
-            "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "phi3": gguf.MODEL_ARCH.PHI3}[c.model_type]
+            "granite": gguf.MODEL_ARCH.GRANITE, "olmo2": gguf.MODEL_ARCH.OLMO2, "phi3": gguf.MODEL_ARCH.PHI3,
+            "smollm3": gguf.MODEL_ARCH.SMOLLM3, "glm4": gguf.MODEL_ARCH.GLM4}[c.model_type]
     gemma = arch in (gguf.MODEL_ARCH.GEMMA2, gguf.MODEL_ARCH.GEMMA3)
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     add_gguf_shape(w, c, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -187,6 +205,8 @@ def _write_gguf(model, path):
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    if arch == gguf.MODEL_ARCH.GLM4:  # Glm4Model: the rotated part of each head
+        w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 0.5)))
     if not gemma:
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     elif arch == gguf.MODEL_ARCH.GEMMA2:
@@ -208,7 +228,7 @@ def _write_gguf(model, path):
         value = value.float().numpy()
         if gemma and name.endswith("norm.weight"):
             value = value + 1
-        if arch == gguf.MODEL_ARCH.GRANITE and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in (gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3) and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             value = llama_cpp_permute(value, heads)
         base, suffix = name.rsplit(".", 1)
@@ -244,12 +264,16 @@ def test_gemma_gguf_written_like_llama_cpp_gives_transformers_tokens(kind, tmp_p
     if kind == "gemma3":  # the default pattern: layers 0-4 windowed, 5 full, 6 windowed
         assert model.config.layer_types[4:] == ["sliding_attention", "full_attention", "sliding_attention"]
     path = _write_gguf(model, tmp_path / f"{kind}.gguf")
-    llm = _llm(path, leak_check, backend="torch", dtype="float32")
-    assert _generate(llm) == [_greedy(model, p) for p in PROMPTS]
+    _assert_gguf_matches(_llm(path, leak_check, backend="torch", dtype="float32"), model)
 
 
-@pytest.mark.parametrize("kind", ["granite", "olmo2", "phi3"])
-def test_granite_olmo2_phi3_gguf_written_like_llama_cpp_give_transformers_tokens(saved, kind, tmp_path, leak_check):
+@pytest.mark.parametrize("kind", ["granite", "olmo2", "phi3", "smollm3", "glm4"])
+def test_gguf_written_like_llama_cpp_gives_transformers_tokens(saved, kind, tmp_path, leak_check):
     model, _ = saved[kind]
-    llm = _llm(_write_gguf(model, tmp_path / f"{kind}.gguf"), leak_check, backend="torch", dtype="float32")
-    assert _generate(llm) == [_greedy(model, p) for p in PROMPTS]
+    if kind == "smollm3":  # llama.cpp's fixed rule, which the file cannot state: every 4th layer without rope
+        model, _, _ = random_model("SmolLM3Config", "SmolLM3ForCausalLM", hidden_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=160, num_hidden_layers=4,
+                                   vocab_size=VOCAB, pad_token_id=0, max_position_embeddings=256)
+        assert model.config.no_rope_layers == [1, 1, 1, 0]
+    _assert_gguf_matches(_llm(_write_gguf(model, tmp_path / f"{kind}.gguf"), leak_check, backend="torch",
+                              dtype="float32"), model)

@@ -35,9 +35,14 @@ GGUF_ARCHITECTURES = {
     "granite": ("GraniteForCausalLM", "granite"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "glm4": ("Glm4ForCausalLM", "glm4"),
 }
 # Phi-3 keeps q/k/v in one tensor and gate/up in `ffn_up`, as its HF checkpoint does.
 _PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# GLM-4: its fused gate/up in `ffn_up`, and the norms after attention and the MLP under GLM's names.
+_GLM4_LAYER_NAMES = {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+                     "post_ffw_norm": "post_mlp_layernorm"}
 # Gemma's four norms per layer: llama.cpp calls the one before the MLP `ffn_norm` (HF's
 # pre_feedforward_layernorm), the one after attention `post_attention_norm`.
 _POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -46,7 +51,7 @@ _GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **_POST_NORM_NAME
 # windowed/full layer pattern (the last layer of each period is full) and the layer count of
 # the 27B models, whose attention scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim).
 _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
-_PERMUTED_QK = {"llama", "granite"}  # converted by llama.cpp's LlamaModel (or a subclass)
+_PERMUTED_QK = {"llama", "granite", "smollm3"}  # converted by llama.cpp's LlamaModel (or a subclass)
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -82,6 +87,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         names = {**_LAYER_NAMES, **_POST_NORM_NAMES}
     elif arch == "phi3":
         names = {**_LAYER_NAMES, **_PHI3_LAYER_NAMES}
+    elif arch == "glm4":
+        names = {**_LAYER_NAMES, **_GLM4_LAYER_NAMES}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
     return None
@@ -184,6 +191,11 @@ class GGUFCheckpoint:
             cfg.update(self._gemma_config(cfg))
         if self.arch == "phi3":
             cfg.update(self._phi3_config(cfg))
+        if self.arch == "smollm3":  # llama.cpp fixes it: every 4th layer has no rope (no key stores it)
+            cfg["no_rope_layer_interval"] = 4
+        if self.arch == "glm4":  # rope on part of each head, as rope.dimension_count says
+            rotated = self._arch_field("rope.dimension_count")
+            cfg["partial_rotary_factor"] = int(rotated) / cfg["head_dim"] if rotated else 0.5
         if self.arch == "granite":  # llama.cpp names the multipliers scales; logit_scale divides the logits
             for key, hf_key in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                                 ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
