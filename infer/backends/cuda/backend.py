@@ -58,9 +58,6 @@ class CudaBackend(TorchTensors):
             return Support(False, f"backend 'cuda' has no kernel for {primitive}; served by '{self.fallback}'")
         if primitive == "linear" and kw.get("weight_kind", "dense") == "dense":
             return Support(False, f"backend 'cuda' leaves dense linear to '{self.fallback}' (cuBLAS)")
-        if primitive == "moe" and (kw.get("expert_bias") or kw.get("moe_activation")):
-            return Support(False, "backend 'cuda' fused MoE kernel has no expert biases or clamped SwiGLU (gpt-oss) "
-                                  f"yet; served by '{self.fallback}'")
         return super().supports(primitive, **kw)
 
     def decode_graphs(self, forward, *, max_model_len, block_size, batch_sizes, progress=iter):
@@ -106,11 +103,10 @@ class CudaBackend(TorchTensors):
 
     def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
             w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None):
-        if w13_bias is not None or w2_bias is not None or activation not in (None, "silu"):
-            raise NotImplementedError("backend 'cuda' moe: declined in supports (expert_bias / moe_activation)")
         from .moe import moe
 
-        return moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate)
+        return moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias, w2_bias, activation,
+                   swiglu_alpha, swiglu_limit)
 
     def lora(self, x, y, lora_a, lora_b, lora_indices, output_slices=None):
         from .lora import lora

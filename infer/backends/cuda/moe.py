@@ -8,8 +8,9 @@
    BLOCK_M, so every M-tile of the sorted list belongs to one expert. The
    padding is an upper bound known from shapes, so the grid is too.
 3. `_grouped_gemm_kernel` twice: gate and up projections in one pass with
-   SiLU(gate) * up fused into the epilogue, then the down projection with the
-   gate weight fused into its epilogue. Each tile reads only its expert's
+   SiLU(gate) * up (or gpt-oss's clamped form) fused into the epilogue, then
+   the down projection with the gate weight fused into its epilogue; expert
+   biases (gpt-oss) are added in both epilogues. Each tile reads only its expert's
    weights and only the rows routed to it.
 4. The top_k weighted rows of each token (and a shared expert's output, when
    the model has one) are summed in float32 and rounded once.
@@ -48,14 +49,16 @@ def _gating_kernel(ids_ptr, weights_ptr, logits_ptr, num_experts, stride_l,
 
 
 @triton.jit
-def _grouped_gemm_kernel(c_ptr, a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weight_ptr,
-                         num_pairs, n_out, k_in, gate_offset,
-                         stride_am, stride_we, stride_wn, stride_cm,
+def _grouped_gemm_kernel(c_ptr, a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weight_ptr, bias_ptr,
+                         num_pairs, n_out, k_in, gate_offset, alpha, limit,
+                         stride_am, stride_we, stride_wn, stride_cm, stride_be,
                          ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, OAI: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          F32: tl.constexpr, PRECISION: tl.constexpr):
-    """C[pair, n] = A[pair // ROW_DIV] @ W[e, n]^T for the pairs of one M-tile;
-    GATED: also the rows n + gate_offset of W, giving silu(first) * second."""
+    """C[pair, n] = A[pair // ROW_DIV] @ W[e, n]^T (+ bias[e, n]) for the pairs of one M-tile;
+    GATED: also the rows n + gate_offset of W (and of the bias), giving silu(first) * second, or
+    with OAI gpt-oss's (clamp(second, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(first, limit)."""
     m_tile = tl.program_id(0)
     expert = tl.load(block_expert_ptr + m_tile).to(tl.int64)
     if expert < 0:
@@ -83,8 +86,18 @@ def _grouped_gemm_kernel(c_ptr, a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr
             if F32:
                 w_up = w_up.to(tl.float32)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_be + n
+        acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + gate_offset, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if OAI:
+            g = tl.minimum(acc, limit)
+            u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(pair_weight_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -128,21 +141,27 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, block_expert, counts
 
 
-def _gemm(c, a, w, sorted_pairs, block_expert, pair_weight, num_pairs, n_out, row_div, gated, block_m):
+def _gemm(c, a, w, sorted_pairs, block_expert, pair_weight, num_pairs, n_out, row_div, gated, block_m,
+          bias=None, oai=None):
+    """`oai`: (alpha, limit) of gpt-oss's clamped SwiGLU for a gated GEMM, else SiLU."""
     block_n = max(16, min(64, next_pow2(n_out)))
     block_k = max(16, min(64, next_pow2(w.shape[-1])))
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
+    alpha, limit = oai or (0.0, 0.0)
     _grouped_gemm_kernel[grid](
-        c, a, w, sorted_pairs, block_expert, pair_weight, num_pairs, n_out, w.shape[-1], n_out,
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        ROW_DIV=row_div, GATED=gated, MUL_WEIGHT=pair_weight is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        c, a, w, sorted_pairs, block_expert, pair_weight, c if bias is None else bias, num_pairs, n_out, w.shape[-1],
+        n_out, float(alpha), float(limit),
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0), 0 if bias is None else bias.stride(0),
+        ROW_DIV=row_div, GATED=gated, MUL_WEIGHT=pair_weight is not None, HAS_BIAS=bias is not None,
+        OAI=oai is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, F32=compute_f32(a.dtype), PRECISION=dot_precision(a.dtype), num_warps=4,
     )  # fmt: skip
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        renormalize: bool, shared: torch.Tensor | None = None,
-        shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        renormalize: bool, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+        w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, activation: str | None = None,
+        swiglu_alpha: float | None = None, swiglu_limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -157,9 +176,12 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     block_m = 16 if num_pairs <= 4 * num_experts else 64
     sorted_pairs, block_expert, counts = align(ids.flatten(), num_experts, block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gemm(h, x, w13, sorted_pairs, block_expert, None, num_pairs, inter, top_k, True, block_m)
+    oai = (swiglu_alpha, swiglu_limit) if activation == "swiglu_oai" else None
+    contiguous = lambda b: None if b is None else (b if b.stride(-1) == 1 else b.contiguous())  # noqa: E731
+    _gemm(h, x, w13, sorted_pairs, block_expert, None, num_pairs, inter, top_k, True, block_m, contiguous(w13_bias), oai)
     out_pairs = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _gemm(out_pairs, h, w2, sorted_pairs, block_expert, weights.flatten(), num_pairs, hidden, 1, False, block_m)
+    _gemm(out_pairs, h, w2, sorted_pairs, block_expert, weights.flatten(), num_pairs, hidden, 1, False, block_m,
+          contiguous(w2_bias))
     out = out_pairs.view(num_tokens, top_k, hidden).sum(1)
     if shared is not None:  # the always-on expert joins the float32 sum, rounded once with it
         s = shared.float()
