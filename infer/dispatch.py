@@ -116,7 +116,7 @@ class Ops:
         impl = self._impls.get(key)
         if impl is None:
             reasons = []
-            needs = [arg for key, arg in _NEWER_ARGS.get(primitive, ()) if kw.get(key)]
+            needs = [arg for k, arg in _NEWER_ARGS.get(primitive, ()) if kw.get(k)]
             for b in self._chain:
                 missing = [arg for arg in needs if not _takes(getattr(b, primitive, None), arg)]
                 ok = b.supports(primitive, **kw) if not missing else Support(

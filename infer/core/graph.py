@@ -25,7 +25,8 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
                   "qkv_lora_a", "qkv_lora_b", "o_lora_a", "o_lora_b"),
     "mlp": ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias",
             "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b"),
-    "moe": ("router", "router_bias", "w13", "w13_bias", "w2", "w2_bias", "shared_gate"),  # inputs: x, and a shared expert's output when it has one
+    # inputs: x, and a shared expert's output when it has one
+    "moe": ("router", "router_bias", "w13", "w13_bias", "w2", "w2_bias", "shared_gate"),
     "lm_head": ("weight",),
     # Elementwise steps between nodes (`lowering.ELEMENTWISE_OPS`): no parameters.
     "add": (),  # inputs a, b: a + b (OLMo 2's residual stream)

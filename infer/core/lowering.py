@@ -146,13 +146,13 @@ def _attention(g: Graph, n: Node) -> list[Call]:
         # checked by `parallel.shard_graph`), normalises them whole and keeps its own.
         for t, heads in (("q", hq), ("k", hk)):
             width, src, out = heads * d, v + t, v + t + "n"
+            full = width * g.tp_size
             if g.tp_size > 1:
-                full = width * g.tp_size
                 calls.append(Call("all_gather", name, (src,), (v + t + "g",), {}, {"dim": -1, "group": TP_GROUP},
                                   (("T", full),), L))
                 src, out = v + t + "g", v + t + "gn"
             calls.append(Call("rms_norm", name, (src,), (out,), {"weight": p[f"{t}_norm"]}, {"eps": a["eps"]},
-                              (("T", full if g.tp_size > 1 else width),), L))
+                              (("T", full),), L))
             if g.tp_size > 1:
                 lo = g.tp_rank * width
                 calls.append(Call("split", name, (out,), (v + t + ".before", v + t + "n", v + t + ".after"), {},

@@ -236,7 +236,7 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("shared_gated_top4", dict(top_k=4, renormalize=False, shared="gated")),
         ("shared_plain_top2", dict(top_k=2, renormalize=True, shared="plain")),
         ("shared_gated_one_token", dict(t=1, top_k=2, renormalize=False, shared="gated")),
-        # gpt-oss: biased experts, clamped SwiGLU (weights large enough that the clamp bites).
+        # gpt-oss: biased experts, clamped SwiGLU (a limit low enough that the clamp bites: `UnclampedSwigluOai`).
         ("bias_swiglu_oai_top2_renorm", dict(top_k=2, renormalize=True, bias=True, activation="swiglu_oai",
                                              w_scale=1.5, limit=0.75)),
         ("bias_silu_top4_e16", dict(top_k=4, e=16, renormalize=True, bias=True)),

@@ -182,7 +182,7 @@ def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_exper
     """`hot_expert`: every token's top choice is that expert. `shared`:
     'gated' (Qwen2-MoE's sigmoid-gated shared expert) or 'plain'. `bias`:
     per-expert biases; `activation` 'swiglu_oai' with clamp `limit`
-    (`w_scale` > 1 makes the clamp bite)."""
+    (a low `limit`, or `w_scale` > 1, makes the clamp bite)."""
     # Router logits spaced >= 0.25 apart so no dtype rounding creates a tie by
     # accident; `ties` then makes the lowest-id-first rule decide on purpose.
     logits = np.stack([rng.permutation(e) * 0.5 - 2.0 + rng.uniform(0, 0.1, e) for _ in range(t)]) if t else np.zeros((0, e))

@@ -47,6 +47,9 @@ _GLM4_LAYER_NAMES = {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_
 # pre_feedforward_layernorm), the one after attention `post_attention_norm`.
 _POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **_POST_NORM_NAMES}
+# Per architecture, the layer tensor names that differ from the Llama family's.
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _POST_NORM_NAMES,
+                     "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}
 # What llama.cpp fixes for an architecture instead of storing it: the period of its
 # windowed/full layer pattern (the last layer of each period is full) and the layer count of
 # the 27B models, whose attention scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim).
@@ -80,18 +83,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    names = _LAYER_NAMES
-    if arch in _GEMMA:
-        names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES}
-    elif arch == "olmo2":  # norms after attention and the MLP only
-        names = {**_LAYER_NAMES, **_POST_NORM_NAMES}
-    elif arch == "phi3":
-        names = {**_LAYER_NAMES, **_PHI3_LAYER_NAMES}
-    elif arch == "glm4":
-        names = {**_LAYER_NAMES, **_GLM4_LAYER_NAMES}
-    if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{suffix}"
-    return None
+    if m is None:
+        return None
+    name = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
+    return None if name is None else f"model.layers.{m.group(1)}.{name}.{suffix}"
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

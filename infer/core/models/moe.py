@@ -43,6 +43,7 @@ class MoESpec:
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_gate: bool = False
     sparse_layers: frozenset[int] = frozenset()
+    router: str = "gate"  # the router's module name (gpt-oss: "router")
     router_bias: bool = False
     expert_bias: bool = False
     activation: str | None = None  # None: SwiGLU; "swiglu_oai": gpt-oss's clamped form
@@ -62,7 +63,7 @@ def moe_spec(config: dict, num_layers: int) -> MoESpec:
         return MoESpec(experts, top_k, True, int(config["intermediate_size"]), sparse_layers=frozenset(range(num_layers)))
     if arch == "GptOssForCausalLM":
         return MoESpec(experts, top_k, True, int(config["intermediate_size"]), sparse_layers=frozenset(range(num_layers)),
-                       router_bias=True, expert_bias=True, activation="swiglu_oai",
+                       router="router", router_bias=True, expert_bias=True, activation="swiglu_oai",
                        swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
                        swiglu_limit=float(config.get("swiglu_limit", 7.0)))
     if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
@@ -113,14 +114,13 @@ def sparse_block(g: Graph, cfg: ModelConfig, spec: MoESpec, i: int) -> None:
     p, n = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
     h, e, inter = cfg.hidden_size, spec.num_experts, spec.expert_intermediate_size
     params = {
-        # gpt-oss names its router `router` (with a bias); the others `gate`
-        "router": g.param(f"{n}.router", (e, h), f"{p}.{'router' if spec.router_bias else 'gate'}.weight"),
+        "router": g.param(f"{n}.router", (e, h), f"{p}.{spec.router}.weight"),
         # Tensor parallel inside experts (see core/parallel.py): each expert's gate and up rows split like an MLP's.
         "w13": g.param(f"{n}.w13", (e, 2 * inter, h), f"{p}.experts.gate_up_proj", shard="column", parts=(inter, inter)),
         "w2": g.param(f"{n}.w2", (e, h, inter), f"{p}.experts.down_proj", shard="row"),
     }
     if spec.router_bias:
-        params["router_bias"] = g.param(f"{n}.router_bias", (e,), f"{p}.router.bias")
+        params["router_bias"] = g.param(f"{n}.router_bias", (e,), f"{p}.{spec.router}.bias")
     if spec.expert_bias:
         params["w13_bias"] = g.param(f"{n}.w13_bias", (e, 2 * inter), f"{p}.experts.gate_up_proj_bias", shard="column",
                                      parts=(inter, inter))
