@@ -135,10 +135,10 @@ def _kv_capacity_table(args: argparse.Namespace, reg) -> Table:
     engine's own sizing (what `infer serve` with these flags would allocate)."""
     import logging
 
-    from .core.engine import EngineArgs, LLMEngine
+    from .core.engine import EngineArgs, LLMEngine, kv_concurrency
 
     table = Table(title=f"KV capacity for {args.model}", title_justify="left")
-    for col in ("backend", "block", "device pool", "host tier", "max context"):
+    for col in ("backend", "block", "device pool", "host tier", "max context", "max-context requests"):
         table.add_column(col, overflow="fold")
     quiet = logging.getLogger("infer")
     level = quiet.level
@@ -153,17 +153,23 @@ def _kv_capacity_table(args: argparse.Namespace, reg) -> Table:
                     block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                     gpu_memory_utilization=args.gpu_memory_utilization, kv_offload_bytes=args.kv_offload_bytes,
                     kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True, show_progress=False,
+                    disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                     skip_tokenizer_init=True))
             except Exception as exc:
-                table.add_row(name, "", f"[red]{escape(type(exc).__name__)}[/]: {escape(str(exc))}", "", "")
+                table.add_row(name, "", f"[red]{escape(type(exc).__name__)}[/]: {escape(str(exc))}", "", "", "")
                 continue
             cache = engine.cache_config
             per_block = engine.worker.runner.kv_cache_bytes_per_block(cache.block_size)
             sizes = "/".join(str(k * cache.block_size) for k in cache.block_multiples)
             host = (f"{cache.num_tier_blocks * cache.block_size:,} tokens "
                     f"({cache.num_tier_blocks * per_block / 2**20:,.0f} MiB)" if cache.num_tier_blocks else "none")
-            table.add_row(name, sizes, f"{cache.num_blocks * cache.block_size:,} tokens "
-                          f"({cache.num_blocks * per_block / 2**20:,.0f} MiB)", host, f"{engine.max_model_len:,}")
+            groups = engine.worker.runner.kv_groups
+            pool = (f"{cache.num_blocks * cache.block_size:,} tokens "
+                    f"({cache.num_blocks * per_block / 2**20:,.0f} MiB)")
+            if groups.is_hybrid:  # a block is a page of one group's layers
+                pool += f"; hybrid: {groups.describe()}"
+            table.add_row(name, sizes, pool, host, f"{engine.max_model_len:,}",
+                          f"{kv_concurrency(cache, engine.scheduler, engine.max_model_len):.2f}")
             engine.shutdown()
     finally:
         quiet.setLevel(level)
@@ -190,6 +196,8 @@ def add_backends(sub) -> None:
     kv.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     kv.add_argument("--kv-offload-bytes", type=int, default=0, metavar="BYTES", help="the host tier's size")
     kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    kv.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                    help="size the cache with every layer keeping every block")
     p.set_defaults(func=cmd_backends)
 
 

@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when the pool runs out: swap a request's blocks to the host tier (auto: if it holds a full "
                         "block and the tier has room) or free them and recompute on resuming")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every block of every layer: no per-group block tables freeing the blocks sliding-window "
+                        "layers have passed")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
@@ -95,7 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
-             "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
+             "disable_hybrid_kv_cache_manager", "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
              "structured_outputs_backend", "reasoning_parser", "speculative_config",
              "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",

@@ -14,6 +14,7 @@ With a `DispatchTrace`, every bound call counts which of these served it:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -207,6 +208,10 @@ class Ops:
         backend that serves attention for the dispatch key `kw` (maybe a
         fallback, whose kernel then finds its own plan)."""
         provider = self.provider("attention", **kw)
+        if meta.kv_groups:  # a hybrid cache: each group's metadata on its own (`AttentionMetadata.kv_groups`)
+            out = self.prepare_metadata(dataclasses.replace(meta, kv_groups=None), **kw)
+            out.kv_groups = tuple(self.prepare_metadata(m, **kw) for m in meta.kv_groups)
+            return out
         if meta.block_sizes is not None and not provider.native_block_sizes:
             meta = expand_block_table(meta)
         if provider.api_version < 2:  # v1: the provider moved the arrays and attached `backend_data` itself

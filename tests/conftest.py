@@ -16,7 +16,10 @@ def leak_check():
         assert not engine.scheduler.has_unfinished_requests(), "the test left requests in the scheduler"
         assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
         assert bm.tier is None or not bm.tier.owned, f"host-tier blocks of {sorted(bm.tier.owned)} leaked"
-        assert not bm._pages, f"block sizes of {sorted(bm._pages)} left behind"
+        for group in getattr(bm, "groups", [bm]):  # a hybrid cache: every group's tables
+            assert not group._pages, f"block sizes of {sorted(group._pages)} left behind"
+            assert not group.req_to_blocks and not group._dropped and not group._swapped_dropped, \
+                f"tables of {sorted(group.req_to_blocks)} left behind"
         bm.check_layout()
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from .config import POLICIES, CacheConfig, graph_batch_sizes
 from .distributed import ParallelConfig
+from .kv_groups import blocks_for
 from .quant_params import QUANTIZATIONS
 
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
@@ -34,6 +35,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # on accelerators, when kv_cache_memory is not given
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # Models mixing sliding-window and full-attention layers keep a block table per
+    # layer group and free the blocks a window has passed (core/kv_groups.py); True:
+    # one table, every layer keeps every block (vLLM's flag).
+    disable_hybrid_kv_cache_manager: bool = False
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -120,11 +125,17 @@ class EngineArgs:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {self.scheduling_policy!r}")
 
+    def batched_tokens(self) -> int:
+        """Tokens one step computes at most (max_num_batched_tokens, or its default)."""
+        return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+
     def cache_config(self, backend, per_token: int, max_model_len: int,
-                     profile: Callable[[int, int], int]) -> CacheConfig:
+                     profile: Callable[[int, int], int], windows: tuple[int | None, ...] = (None,)) -> CacheConfig:
         """The KV pool: block size, and blocks from num_gpu_blocks_override, kv_cache_memory,
-        or (neither given) `kv_budget`; `per_token`: KV bytes of one token on the rank
-        holding the most; `profile(tokens, block_size)`: peak device bytes of a forward."""
+        or (neither given) `kv_budget`; `per_token`: KV bytes of one token of one block on
+        the rank holding the most (with a hybrid cache, of one page: a group's layers);
+        `profile(tokens, block_size)`: peak device bytes of a forward; `windows`: the
+        hybrid cache's groups (`kv_groups`)."""
         multiples = (1,)
         if self.block_size == "auto":
             sizes = backend.auto_block_sizes
@@ -138,12 +149,15 @@ class EngineArgs:
             raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes} holds no KV block of {block_size} tokens "
                              f"({per_token * block_size} bytes); raise it or pass 0 for no host tier")
         common = dict(enable_prefix_caching=self.enable_prefix_caching, num_tier_blocks=tier,
-                      block_multiples=multiples)
+                      block_multiples=multiples, kv_group_windows=windows)
         if self.num_gpu_blocks_override:
             return CacheConfig(block_size, num_blocks=self.num_gpu_blocks_override, **common).resolve(block_size)
-        kv_bytes = self.kv_cache_memory or self.kv_budget(backend, per_token, block_size, max_model_len, profile)
+        # One full context's pages, in tokens of one page (max_model_len without a hybrid cache).
+        context = blocks_for(windows, max_model_len, block_size, self.batched_tokens()) * block_size
+        kv_bytes = self.kv_cache_memory or self.kv_budget(backend, per_token, block_size, max_model_len, profile,
+                                                           context)
         # At least one full context, or the scheduler could never finish a long request.
-        floor = per_token * (max_model_len + block_size)
+        floor = per_token * (context + block_size)
         if self.kv_cache_memory and self.kv_cache_memory < floor:
             logging.getLogger("infer").warning(
                 "kv_cache_memory=%.1f MiB is less than one full context (max_model_len=%d tokens at %d bytes per "
@@ -152,13 +166,15 @@ class EngineArgs:
         return CacheConfig(block_size, kv_cache_memory_bytes=max(kv_bytes, floor), **common).resolve(block_size,
                                                                                                      per_token)
 
-    def kv_budget(self, backend, per_token: int, block_size: int, max_model_len: int, profile) -> int:
+    def kv_budget(self, backend, per_token: int, block_size: int, max_model_len: int, profile,
+                  context: int | None = None) -> int:
         """KV pool bytes when the user gave none: on host memory, enough for max_num_seqs
-        full contexts (capped); on an accelerator, what gpu_memory_utilization leaves
+        full contexts (capped; `context`: one context's tokens of `per_token` bytes, by
+        default max_model_len); on an accelerator, what gpu_memory_utilization leaves
         after profiling one full-budget forward."""
         mem = backend.memory_info()
         if mem is None:
-            return min(MAX_DEFAULT_KV_BYTES, per_token * self.max_num_seqs * max_model_len)
+            return min(MAX_DEFAULT_KV_BYTES, per_token * self.max_num_seqs * (context or max_model_len))
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         peak = profile(min(self.max_num_batched_tokens or 2048, max_model_len), block_size)

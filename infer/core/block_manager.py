@@ -35,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .kv_groups import blocks_for
 from .kv_tier import TierIndex, TierOp
 from .request import Request
 
@@ -75,6 +76,20 @@ class Block:
 
 
 @dataclass(slots=True)
+class AllocationPlan:
+    """What one allocation takes (`BlockManager.plan`): `need` free blocks in all."""
+
+    hit: list  # prefix-hit blocks taken on a first allocation (None: behind the window)
+    num_tokens: int  # tokens the table covers afterwards
+    pages: int  # pages per block
+    wanted_pages: int
+    num_fresh: int
+    shared: list[int]  # entries moved to private copies
+    need: int
+    first_changed: int = 0
+
+
+@dataclass(slots=True)
 class PrefixCacheStats:
     """Prefix-cache lookups in tokens, counted once per admission of a request."""
 
@@ -91,7 +106,7 @@ class BlockManager:
     """A pool of `num_blocks` KV blocks of `block_size` tokens each."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_tier_blocks: int = 0, block_multiples: Sequence[int] = (1,)):
+                 num_tier_blocks: int = 0, block_multiples: Sequence[int] = (1,), window: int | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"BlockManager needs positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -102,28 +117,63 @@ class BlockManager:
         # them keep their hash until they are taken for new tokens.
         self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_block_hash_to_block: dict[bytes, Block] = {}
-        self.req_to_blocks: dict[str, list[Block]] = {}
-        # Each request's block ids as int32, kept in step with req_to_blocks (capacity
-        # doubles): a step's block table is copied from these rows, not rebuilt from
-        # Python lists (10 ms at 128 requests x 2048 blocks).
-        self._rows: dict[str, np.ndarray] = {}
-        # Leading blocks of each request already registered in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self._block_copies: list[tuple[int, int]] = []
         # The host tier (`kv_tier`): evicted prefix blocks and swapped-out requests.
         self.tier = TierIndex(num_tier_blocks) if num_tier_blocks > 0 else None
         self._tier_ops: list[TierOp] = []
-        # Mixed block sizes: pages per block of each request (absent: 1), and per
-        # multiple k > 1 the free pages of each aligned group of k pages and the
+        # Mixed block sizes: per multiple k > 1 the free pages of each aligned group of k pages and the
         # groups that are wholly free (in the order they became so).
         self.block_multiples = tuple(sorted({1, *block_multiples}))
         if any(k <= 0 for k in self.block_multiples):
             raise ValueError(f"block_multiples must be positive, got {block_multiples}")
-        self._pages: dict[str, int] = {}
         self._group_free = {k: np.full(num_blocks // k, k, np.int32) for k in self.block_multiples if k > 1}
         self._free_groups = {k: dict.fromkeys(range(num_blocks // k)) for k in self._group_free}
+        self._init_group(0, window)
+
+    # Pool state: what every group of a hybrid cache (`HybridBlockManager`) shares, by
+    # reference, so it is only ever changed in place.
+    POOL = ("num_blocks", "block_size", "enable_prefix_caching", "blocks", "free_block_queue",
+            "cached_block_hash_to_block", "prefix_cache_stats", "_block_copies", "tier", "_tier_ops",
+            "block_multiples", "_group_free", "_free_groups")
+
+    def _init_group(self, group: int, window: int | None) -> None:
+        """This manager's own state: its group (salting its prefix hashes and tier owners),
+        the sliding window of its layers (None: full attention) and its requests' tables."""
+        if window is not None and window <= 0:
+            raise ValueError(f"a sliding window must be positive, got {window}")
+        self.group, self.window = group, window
+        # Each request's blocks in order; None where a windowed group dropped one.
+        self.req_to_blocks: dict[str, list[Block | None]] = {}
+        # Each request's block ids as int32, kept in step with req_to_blocks (capacity
+        # doubles): a step's block table is copied from these rows, not rebuilt from
+        # Python lists (10 ms at 128 requests x 2048 blocks). A dropped block reads 0.
+        self._rows: dict[str, np.ndarray] = {}
+        # Leading blocks of each request already registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Pages per block of each request with blocks of several pages (absent: 1).
+        self._pages: dict[str, int] = {}
         self.num_run_fallbacks = 0  # requests that wanted blocks of several pages and fell back to one
+        # Leading entries of each request's table dropped behind its window (None in the list).
+        self._dropped: dict[str, int] = {}
+        self._swapped_dropped: dict[str, int] = {}
+
+    @classmethod
+    def sharing(cls, pool: BlockManager, group: int, window: int | None) -> BlockManager:
+        """A manager of another group over `pool`'s blocks."""
+        self = cls.__new__(cls)
+        for name in cls.POOL:
+            setattr(self, name, getattr(pool, name))
+        self._init_group(group, window)
+        return self
+
+    def _key(self, block_hash: bytes) -> bytes:
+        """A block's prefix-cache name in this group: group 0 uses the chain hash itself."""
+        return block_hash if self.group == 0 else block_hash + self.group.to_bytes(2, "little")
+
+    def _owner(self, request_id: str) -> str:
+        """The request's owner name in the host tier (one per group)."""
+        return request_id if self.group == 0 else f"{request_id}\x00{self.group}"
 
     # -- usage ---------------------------------------------------------------
     @property
@@ -145,7 +195,8 @@ class BlockManager:
         return self._pages.get(request_id, 1)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block ids; a block dropped behind the window reads 0 (never read)."""
+        return [0 if b is None else b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def block_table_row(self, request_id: str) -> np.ndarray:
         """The request's block ids as a new int32 array (a copy: later steps may change the row)."""
@@ -163,7 +214,7 @@ class BlockManager:
             if row is not None:
                 grown[:start] = row[:start]
             row = self._rows[request_id] = grown
-        row[start : len(blocks)] = [b.block_id for b in blocks[start:]]
+        row[start : len(blocks)] = [0 if b is None else b.block_id for b in blocks[start:]]
 
     # -- prefix cache ----------------------------------------------------------
     def block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -184,19 +235,48 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or request.request_id in self.req_to_blocks:
             return [], 0
-        hit: list[int] = []
-        held: set[int] = set()  # free blocks this lookup hit: a copy back from the tier must not take them
-        for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
-            block = self.cached_block_hash_to_block.get(h)
+        num = (request.num_tokens - 1) // self.block_size
+        if self.window is not None:
+            num = self.window_hit_blocks(request, num)
+            hit = self.lookup(request, num, set(), self.first_needed_block(num * self.block_size))
+            return (hit, num * self.block_size) if len(hit) == num else ([], 0)
+        hit = self.lookup(request, num, set())
+        return hit, len(hit) * self.block_size
+
+    def lookup(self, request: Request, num: int, held: set[int], start: int = 0) -> list[int | None]:
+        """The cached blocks `start` .. `num` - 1 of the request's prefix, up to the first
+        missing one (copied back from the tier where it holds them), after `start` Nones.
+        `held`: free blocks this admission hit, which a copy back must not take."""
+        hit: list[int | None] = [None] * start
+        for h in self.block_hashes(request, num)[start:]:
+            key = self._key(h)
+            block = self.cached_block_hash_to_block.get(key)
             if block is None:
-                block = self._from_tier(h, held)
+                block = self._from_tier(key, held)
             elif block.ref_cnt == 0 and self.tier is not None:
                 self.free_block_queue.move_to_end(block.block_id)  # used now: last in line for eviction
                 held.add(block.block_id)
             if block is None:
                 break
             hit.append(block.block_id)
-        return hit, len(hit) * self.block_size
+        return hit
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """The first block the next query after `num_computed` tokens reads (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def window_hit_blocks(self, request: Request, num: int) -> int:
+        """The most blocks, at most `num`, a windowed group can take from the cache: the
+        blocks its window needs after them are all cached (checked without side effects)."""
+        hashes = self.block_hashes(request, num)
+        present = [self._key(h) in self.cached_block_hash_to_block or
+                   (self.tier is not None and self._key(h) in self.tier.by_hash) for h in hashes]
+        for n in range(num, 0, -1):
+            if all(present[self.first_needed_block(n * self.block_size) : n]):
+                return n
+        return 0
 
     def _from_tier(self, block_hash: bytes, held: set[int]) -> Block | None:
         """Copy a prefix block back from the host tier into a free device block, cached
@@ -224,28 +304,40 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         hashes = self.block_hashes(request, num_full)
         for i in range(self.num_cached_blocks[rid], num_full):
-            block, h = blocks[i], hashes[i]
+            block, h = blocks[i], self._key(hashes[i])
             # A block already named (shared from a fork parent) keeps its name; a
             # duplicate of content cached elsewhere stays unnamed, freed as plain.
-            if block.block_hash is None and h not in self.cached_block_hash_to_block:
+            if block is not None and block.block_hash is None and h not in self.cached_block_hash_to_block:
                 block.block_hash = h
                 self.cached_block_hash_to_block[h] = block
         self.num_cached_blocks[rid] = num_full
 
     # -- allocation --------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_block_ids: Sequence[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_block_ids: Sequence[int | None] = ()) -> bool:
         """Give the request room for `num_new_tokens` more tokens; False if the pool can't.
 
         `new_computed_block_ids` is a hit from `get_computed_blocks`, taken on the
         request's first allocation. Writing into a block shared with a fork
         relative first moves the writer to a private copy (see `pop_block_copies`).
+        A windowed group first gives back the blocks its window has left behind.
         """
+        self.drop_behind_window(request)
+        plan = self.plan(request, num_new_tokens, new_computed_block_ids)
+        if plan.need > self.num_free_blocks:
+            return False
+        self.take_hits(request, plan)
+        self.fill(request, plan)
+        return True
+
+    def plan(self, request: Request, num_new_tokens: int, hit_ids: Sequence[int | None] = ()) -> AllocationPlan:
+        """What `allocate_slots` would take, changing nothing."""
         rid, bs = request.request_id, self.block_size
         blocks = self.req_to_blocks.get(rid, [])
-        hit = [self.blocks[i] for i in new_computed_block_ids]
+        hit = [None if i is None else self.blocks[i] for i in hit_ids]
         num_computed = request.num_computed_tokens + len(hit) * bs
         # A hit resting in the free queue leaves it, so it costs a free block too.
-        evictable_hits = [b.block_id for b in hit if b.ref_cnt == 0]
+        evictable_hits = [b.block_id for b in hit if b is not None and b.ref_cnt == 0]
         # Existing blocks this step writes into that another request also holds.
         shared = [i for i in range(num_computed // bs, len(blocks)) if blocks[i].ref_cnt > 1]
         if rid in self.req_to_blocks:
@@ -260,42 +352,80 @@ class BlockManager:
                           and num_fresh + len(evictable_hits) <= self.num_free_blocks):
                 break
             k = 1  # no room for whole runs (or a page is copied): one-page blocks from here on
-        if num_fresh + len(shared) + len(evictable_hits) > self.num_free_blocks:
-            return False
+        return AllocationPlan(hit, num_computed + num_new_tokens, k, want, num_fresh, shared,
+                              num_fresh + len(shared) + len(evictable_hits))
 
+    def take_hits(self, request: Request, plan: AllocationPlan) -> None:
+        """The first half of an allocation: a new request's table, holding its prefix hit.
+        (Every group of a hybrid cache holds its hits before any takes fresh blocks, which
+        could otherwise evict another group's hit.)"""
+        rid, bs, hit = request.request_id, self.block_size, plan.hit
         if rid not in self.req_to_blocks:
-            self.req_to_blocks[rid] = blocks
+            self.req_to_blocks[rid] = []
             self.num_cached_blocks[rid] = len(hit)
-            if self.enable_prefix_caching:
+            self._dropped[rid] = len(hit) - len([b for b in hit if b is not None])
+            if self.enable_prefix_caching and self.group == 0:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit) * bs
-        self.num_run_fallbacks += k < want
+        for block in hit:
+            if block is not None and block.from_tier:
+                block.from_tier = False
+                if self.group == 0:
+                    self.prefix_cache_stats.tier_hits += bs
+        for block in hit:
+            if block is not None:
+                if block.ref_cnt == 0:
+                    self._take_free(block.block_id)
+                block.ref_cnt += 1
+        plan.first_changed = len(self.req_to_blocks[rid])
+        self.req_to_blocks[rid].extend(hit)
+
+    def fill(self, request: Request, plan: AllocationPlan) -> None:
+        """The second half: private copies of shared blocks written now, then fresh blocks."""
+        rid, k = request.request_id, plan.pages
+        blocks = self.req_to_blocks[rid]
+        if k > 1 and self._free_runs(k) < plan.num_fresh // k:  # another group took the runs: pages
+            k = 1
+            plan.num_fresh = max(0, cdiv(plan.num_tokens, self.block_size) - len(blocks))
+        self.num_run_fallbacks += k < plan.wanted_pages
         if k > 1:
             self._pages[rid] = k
         else:
             self._pages.pop(rid, None)
-        for block in hit:
-            if block.from_tier:
-                block.from_tier = False
-                self.prefix_cache_stats.tier_hits += bs
-        for block in hit:
-            if block.ref_cnt == 0:
-                self._take_free(block.block_id)
-            block.ref_cnt += 1
-        first_changed = min([len(blocks), *shared])
-        blocks.extend(hit)
-        for i in shared:
+        for i in plan.shared:
             copy = self._pop_free_block()
             self._block_copies.append((blocks[i].block_id, copy.block_id))
             blocks[i].ref_cnt -= 1  # still >= 1: the relatives keep it
             blocks[i] = copy
         if k > 1:
-            for _ in range(num_fresh // k):
+            for _ in range(plan.num_fresh // k):
                 blocks.extend(self._pop_free_run(k))
         else:
-            blocks.extend(self._pop_free_block() for _ in range(num_fresh))
-        self._write_row(rid, first_changed)
-        return True
+            blocks.extend(self._pop_free_block() for _ in range(plan.num_fresh))
+        self._write_row(rid, min([plan.first_changed, *plan.shared]))
+
+    def drop_behind_window(self, request: Request) -> None:
+        """A windowed group: release the request's blocks that no query can read again
+        (wholly before the window of its next token), leaving None in its table. A named
+        block stays in the prefix cache, free, until evicted."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if self.window is None or not blocks:
+            return
+        k = self._pages.get(rid, 1)
+        upto = min(self.first_needed_block(request.num_computed_tokens) // k * k, len(blocks))
+        start = self._dropped.get(rid, 0)
+        if upto <= start:
+            return
+        for i in range(start, upto):
+            block = blocks[i]
+            if block is not None:
+                blocks[i] = None
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    self._put_free(block.block_id, first=block.block_hash is None)
+        self._dropped[rid] = upto
+        self._write_row(rid, start)
 
     # -- mixed block sizes ---------------------------------------------------------
     # Expected tokens per page of block: a request expecting L tokens takes the largest
@@ -314,6 +444,8 @@ class BlockManager:
 
     def _hit_pages(self, want: int, hit: list[Block]) -> int:
         """The most pages per block, at most `want`, whose aligned runs the hit's pages form."""
+        if any(b is None for b in hit):
+            return 1  # a windowed hit starting after its dropped blocks: pages
         ids = [b.block_id for b in hit]
         for k in reversed(self.block_multiples):
             if k <= want and len(ids) % k == 0 and all(
@@ -333,9 +465,10 @@ class BlockManager:
             if rid not in self.req_to_blocks:
                 assert self.is_swapped(rid), f"{rid} has a block size but no blocks"
                 continue
-            ids = self.get_block_ids(rid)
-            assert len(ids) % k == 0 and all(ids[i] % k == 0 and ids[i : i + k] == list(range(ids[i], ids[i] + k))
-                                             for i in range(0, len(ids), k)), f"{rid}'s blocks of {k} pages broke: {ids}"
+            ids, dropped = self.get_block_ids(rid), self._dropped.get(rid, 0)
+            assert dropped % k == 0 and len(ids) % k == 0 and all(
+                ids[i] % k == 0 and ids[i : i + k] == list(range(ids[i], ids[i] + k))
+                for i in range(dropped, len(ids), k)), f"{rid}'s blocks of {k} pages broke: {ids}"
 
     def _free_runs(self, k: int, taken: Sequence[int] = ()) -> int:
         """Wholly free aligned groups of k pages, not counting those holding a page in `taken`."""
@@ -374,15 +507,22 @@ class BlockManager:
     def pop_tier_ops(self) -> list[TierOp]:
         """Copies between the device pool and the host tier decided since the last call,
         in order; the engine performs them before the step's block copies and forward."""
-        ops, self._tier_ops = self._tier_ops, []
+        ops = self._tier_ops.copy()
+        self._tier_ops.clear()  # in place: the groups of a hybrid cache share the list
         return ops
 
     # -- swap preemption -----------------------------------------------------------
     def is_swapped(self, request_id: str) -> bool:
-        return self.tier is not None and request_id in self.tier.owned
+        return self.tier is not None and self._owner(request_id) in self.tier.owned
 
     def num_swapped_blocks(self, request_id: str) -> int:
-        return len(self.tier.owned.get(request_id, ())) if self.tier is not None else 0
+        return len(self.tier.owned.get(self._owner(request_id), ())) if self.tier is not None else 0
+
+    def resume_need(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks a swapped request needs to come back and compute `num_new_tokens`."""
+        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(self.num_swapped_blocks(request.request_id),
+                   total - self._swapped_dropped.get(request.request_id, 0))
 
     def swap_out(self, request_id: str) -> bool:
         """Copy every block of the request to the tier and free them on the device;
@@ -390,9 +530,12 @@ class BlockManager:
         blocks = self.req_to_blocks.get(request_id)
         if self.tier is None or not blocks:
             return False
-        slots = self.tier.take(request_id, len(blocks))
+        dropped = self._dropped.get(request_id, 0)
+        blocks = blocks[dropped:]
+        slots = self.tier.take(self._owner(request_id), len(blocks))
         if slots is None:
             return False
+        self._swapped_dropped[request_id] = dropped
         # A block this step moved the request to by copy-on-write is not filled yet (tier ops run
         # before block copies, and freeing it drops the copy): its source holds the contents.
         source = {dst: src for src, dst in self._block_copies}
@@ -403,9 +546,10 @@ class BlockManager:
     def swap_in(self, request_id: str) -> bool:
         """Copy a swapped request's blocks back into free device blocks; False (nothing
         done) when the pool has too few free blocks."""
-        slots = self.tier.owned[request_id]
+        slots = self.tier.owned[self._owner(request_id)]
         if len(slots) > self.num_free_blocks:
             return False
+        dropped = self._swapped_dropped.pop(request_id, 0)
         k = self._pages.get(request_id, 1)
         if k > 1 and self._free_runs(k) >= len(slots) // k:
             blocks = [page for _ in range(len(slots) // k) for page in self._pop_free_run(k)]
@@ -413,8 +557,9 @@ class BlockManager:
             self._pages.pop(request_id, None)
             blocks = [self._pop_free_block() for _ in slots]
         self._tier_ops.extend(TierOp("in", b.block_id, s) for b, s in zip(blocks, slots))
-        self.tier.release(request_id)
-        self.req_to_blocks[request_id] = blocks
+        self.tier.release(self._owner(request_id))
+        self.req_to_blocks[request_id] = [None] * dropped + blocks
+        self._dropped[request_id] = dropped
         self.num_cached_blocks[request_id] = 0  # registered again (as duplicates stay unnamed) as it goes on
         self._write_row(request_id, 0)
         return True
@@ -425,7 +570,8 @@ class BlockManager:
         The engine applies them in order, before the step's forward pass, so the
         copy holds the shared block's content from before this step's writes.
         """
-        copies, self._block_copies = self._block_copies, []
+        copies = self._block_copies.copy()
+        self._block_copies.clear()  # in place: shared by the groups of a hybrid cache
         return copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -434,8 +580,10 @@ class BlockManager:
             raise ValueError(f"request {child_id!r} already holds blocks")
         blocks = self.req_to_blocks[parent_id]
         for block in blocks:
-            block.ref_cnt += 1
+            if block is not None:
+                block.ref_cnt += 1
         self.req_to_blocks[child_id] = list(blocks)
+        self._dropped[child_id] = self._dropped.get(parent_id, 0)
         self._rows[child_id] = self._rows[parent_id].copy()
         self.num_cached_blocks[child_id] = self.num_cached_blocks[parent_id]
         if parent_id in self._pages:
@@ -444,20 +592,24 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks, on the device and in the tier (no-op if it holds none)."""
         if self.tier is not None:
-            self.tier.release(request_id)
+            self.tier.release(self._owner(request_id))
         self._pages.pop(request_id, None)
+        self._swapped_dropped.pop(request_id, None)
         self._free_blocks(request_id)
 
     def _free_blocks(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         self._rows.pop(request_id, None)
+        self._dropped.pop(request_id, None)
         if blocks is None:
             return
         freed = set()
         # Reverse order: a prefix's tail sits nearer the eviction end than its
         # head, so the blocks most requests share survive longest.
         for block in reversed(blocks):
+            if block is None:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 freed.add(block.block_id)
@@ -466,7 +618,7 @@ class BlockManager:
         if freed and self._block_copies:
             # A copy into a block that is free again is wasted work, and the
             # block may be reused before the engine would perform it.
-            self._block_copies = [(s, d) for s, d in self._block_copies if d not in freed]
+            self._block_copies[:] = [(s, d) for s, d in self._block_copies if d not in freed]
 
     def _pop_free_block(self, keep: frozenset = frozenset()) -> Block:
         """The least recently used free block, claimed (`_claim`)."""
@@ -487,3 +639,158 @@ class BlockManager:
             block.block_hash, block.from_tier = None, False
         block.ref_cnt = 1
         return block
+
+
+class HybridBlockManager:
+    """The block tables of a hybrid KV cache (`kv_groups`): one `BlockManager` per
+    group, all over one pool of pages, allocating for a request together or not
+    at all. Windowed groups hold only the blocks their window still reads.
+
+    A prefix hit is the longest prefix every group can take: full groups need all
+    its blocks cached, windowed groups only those their window reads after it. The
+    scheduler sees the `BlockManager` interface; a request's table is group 0's
+    and `block_table_rows` gives every group's."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_tier_blocks: int = 0, block_multiples: Sequence[int] = (1,),
+                 windows: Sequence[int | None] = (None,)):
+        if not windows:
+            raise ValueError("a hybrid KV cache needs at least one group")
+        first = BlockManager(num_blocks, block_size, enable_prefix_caching, num_tier_blocks, block_multiples,
+                             windows[0])
+        self.groups = [first, *(BlockManager.sharing(first, g, w) for g, w in enumerate(windows) if g)]
+        self.windows = tuple(windows)
+
+    def __getattr__(self, name: str):
+        # Pool state and usage (num_blocks, tier, prefix_cache_stats, free_block_queue, ...): group 0's,
+        # shared by every group.
+        if name in BlockManager.POOL:
+            return getattr(self.groups[0], name)
+        raise AttributeError(name)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.groups[0].num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.groups[0].num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.groups[0].usage
+
+    @property
+    def req_to_blocks(self) -> dict:
+        return self.groups[0].req_to_blocks
+
+    @property
+    def num_run_fallbacks(self) -> int:
+        return sum(g.num_run_fallbacks for g in self.groups)
+
+    def blocks_held(self, request_id: str) -> int:
+        """Blocks the request holds in all groups (not counting dropped ones)."""
+        return sum(sum(b is not None for b in g.req_to_blocks.get(request_id, ())) for g in self.groups)
+
+    def blocks_for(self, num_tokens: int, chunk: int) -> int:
+        """Most blocks one request of `num_tokens` tokens holds at once, computing at
+        most `chunk` tokens a step (a windowed group holds its window and the chunk)."""
+        return blocks_for(self.windows, num_tokens, self.block_size, chunk)
+
+    # -- the BlockManager interface, over every group --------------------------------
+    def pages_per_block(self, request_id: str) -> int:
+        return self.groups[0].pages_per_block(request_id)
+
+    def block_table_row(self, request_id: str) -> np.ndarray:
+        return self.groups[0].block_table_row(request_id)
+
+    def block_table_rows(self, request_id: str) -> tuple[tuple[np.ndarray, int], ...]:
+        """(block ids, pages per block) of the request in each group."""
+        return tuple((g.block_table_row(request_id), g.pages_per_block(request_id)) for g in self.groups)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int | None]], int]:
+        first = self.groups[0]
+        if not first.enable_prefix_caching or request.request_id in first.req_to_blocks:
+            return [[] for _ in self.groups], 0
+        num, held = (request.num_tokens - 1) // self.block_size, set()
+        hits: dict[int, list[int | None]] = {}
+        for g in self.groups:
+            if g.window is None:
+                hits[g.group] = g.lookup(request, num, held)
+                num = len(hits[g.group])
+        for g in self.groups:
+            if g.window is not None:
+                num = g.window_hit_blocks(request, num)
+        for g in self.groups:
+            if g.window is None:
+                hits[g.group] = hits[g.group][:num]
+            else:
+                hits[g.group] = g.lookup(request, num, held, g.first_needed_block(num * self.block_size))
+                if len(hits[g.group]) < num:  # the tier could not bring one back: no hit at all
+                    return [[] for _ in self.groups], 0
+        hits = [hits[g.group] for g in self.groups]
+        return hits, num * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_block_ids: Sequence[Sequence[int | None]] | None = None) -> bool:
+        hits = new_computed_block_ids or [()] * len(self.groups)
+        for g in self.groups:
+            g.drop_behind_window(request)
+        plans = [g.plan(request, num_new_tokens, hit) for g, hit in zip(self.groups, hits)]
+        if sum(p.need for p in plans) > self.num_free_blocks:
+            return False
+        for g, plan in zip(self.groups, plans):
+            g.take_hits(request, plan)
+        for g, plan in zip(self.groups, plans):
+            g.fill(request, plan)
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        for g in self.groups:
+            g.cache_blocks(request)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        for g in self.groups:
+            g.fork(parent_id, child_id)
+
+    def free(self, request_id: str) -> None:
+        for g in self.groups:
+            g.free(request_id)
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self.groups[0].is_swapped(request_id)
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return sum(g.num_swapped_blocks(request_id) for g in self.groups)
+
+    def resume_need(self, request: Request, num_new_tokens: int) -> int:
+        return sum(g.resume_need(request, num_new_tokens) for g in self.groups)
+
+    def swap_out(self, request_id: str) -> bool:
+        tier = self.tier
+        if tier is None or request_id not in self.req_to_blocks:
+            return False
+        if self.blocks_held(request_id) > tier.num_free:
+            return False
+        for g in self.groups:
+            if g.req_to_blocks.get(request_id) and not g.swap_out(request_id):
+                raise AssertionError("the tier's room was checked for every group")
+        return True
+
+    def swap_in(self, request_id: str) -> bool:
+        if self.num_swapped_blocks(request_id) > self.num_free_blocks:
+            return False
+        for g in self.groups:
+            if g.is_swapped(request_id):
+                g.swap_in(request_id)
+        return True
+
+    def pop_tier_ops(self) -> list[TierOp]:
+        return self.groups[0].pop_tier_ops()
+
+    def pop_block_copies(self) -> list[tuple[int, int]]:
+        return self.groups[0].pop_block_copies()
+
+    def check_layout(self) -> None:
+        for g in self.groups:
+            g.check_layout()

@@ -43,6 +43,10 @@ class CacheConfig:
     block_multiples        block sizes requests may use, in blocks of
                            `block_size` (``--block-size auto``: (1, 2, 4), each
                            request's chosen by its expected length); (1,): one size.
+    kv_group_windows       the hybrid cache's groups (`kv_groups`): each group's
+                           sliding window, None for full attention; (None,):
+                           one table per request, the plain cache. A block is
+                           then a page of one group's layers.
     """
 
     block_size: int | None = None
@@ -51,6 +55,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_tier_blocks: int = 0
     block_multiples: tuple[int, ...] = (1,)
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.num_tier_blocks < 0:

@@ -86,9 +86,10 @@ class LLMEngine:
             "tokenizer_config.json beside its weights)")
         rpc = self.executor.collective_rpc
         self.cache_config = cache = a.cache_config(w.backend, w.kv_bytes_per_token(), self.max_model_len,
-                                                   lambda n, block_size: rpc("profile_peak", n, block_size))
+                                                   lambda n, block_size: rpc("profile_peak", n, block_size),
+                                                   w.runner.kv_groups.windows)
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_num_seqs),
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.batched_tokens(),
             max_model_len=self.max_model_len, enable_chunked_prefill=a.enable_chunked_prefill,
             long_prefill_token_threshold=a.long_prefill_token_threshold, policy=a.scheduling_policy,
             preemption_mode=a.preemption_mode, max_loras=a.max_loras if a.enable_lora else 0), cache)
@@ -100,11 +101,15 @@ class LLMEngine:
             for req in parse_lora_modules(a.lora_modules):
                 self.lora.register(req)
         rpc("allocate_kv", cache.num_blocks, cache.block_size, cache.num_tier_blocks, a.kv_offload_path)
-        _log_cache(cache, w, self.max_model_len, a.preemption_mode)
+        _log_cache(cache, w, self.scheduler, self.max_model_len, a.preemption_mode)
         if self.executor.dist is not None and not a.enforce_eager:
             log.info("decode graphs are not captured with tensor parallelism yet; every step runs eagerly")
+        if w.runner.kv_groups.num_groups > 1 and not a.enforce_eager:
+            log.info("decode graphs are not captured with a hybrid KV cache yet (%s); every step runs eagerly",
+                     w.runner.kv_groups.describe())
         # Captured decode graphs take no LoRA indices: with adapters every step runs eagerly.
-        if not (a.enforce_eager or self.executor.dist is not None or a.enable_lora):
+        if not (a.enforce_eager or self.executor.dist is not None or a.enable_lora
+                or w.runner.kv_groups.num_groups > 1):
             show = sys.stderr.isatty() if a.show_progress is None else a.show_progress
             rpc("capture_decode", graph_batch_sizes(a.max_num_seqs, a.cuda_graph_sizes), show)
         eos = self.generation_config.get("eos_token_id", w.graph.config.eos_token_ids)
@@ -392,14 +397,22 @@ class LLMEngine:
                 r.spec_token_ids = [int(t) for t in drafts]
 
 
-def _log_cache(cache, worker, max_model_len: int, preemption_mode: str) -> None:
+def kv_concurrency(cache, scheduler, num_tokens: int) -> float:
+    """Requests of `num_tokens` tokens the pool holds at once (a hybrid cache's windowed
+    groups hold only their window)."""
+    return cache.num_blocks / scheduler.blocks_for(num_tokens)
+
+
+def _log_cache(cache, worker, scheduler, max_model_len: int, preemption_mode: str) -> None:
     tokens = cache.num_blocks * cache.block_size
     sizes = "/".join(str(k * cache.block_size) for k in cache.block_multiples)
-    log.info("KV cache: %d blocks of %s tokens = %d tokens (%.1f MiB); maximum concurrency for %d-token requests: "
+    groups = worker.runner.kv_groups
+    log.info("KV cache: %d blocks of %s tokens = %d tokens (%.1f MiB)%s; maximum concurrency for %d-token requests: "
              "%.2fx", cache.num_blocks, sizes if len(cache.block_multiples) == 1 else
              f"{cache.block_size} (requests use blocks of {sizes} by expected length)", tokens,
-             cache.num_blocks * worker.runner.kv_cache_bytes_per_block(cache.block_size) / 2**20, max_model_len,
-             tokens / max_model_len)
+             cache.num_blocks * worker.runner.kv_cache_bytes_per_block(cache.block_size) / 2**20,
+             f", hybrid: {groups.describe()} (a block holds one group's layers)" if groups.is_hybrid else "",
+             max_model_len, kv_concurrency(cache, scheduler, max_model_len))
     if cache.num_tier_blocks:
         store = worker.runner.kv_tier
         log.info("KV host tier: %d blocks = %d tokens (%.1f MiB, %s); preemption mode %s", cache.num_tier_blocks,

@@ -14,6 +14,7 @@ from ..primitives.binding import SIGNATURES, arguments, dispatch_key, value_args
 from ..primitives.context import ForwardOutput, LayerContext
 from ..primitives.types import AttentionMetadata, DenseWeight, WeightHandle
 from . import quant_params
+from .kv_groups import KVCacheGroups, plan_kv_groups
 from .lowering import VIEW_OPS, Call, Program
 from .rope import cos_sin_cache
 
@@ -21,7 +22,8 @@ from .rope import cos_sin_cache
 class ModelRunner:
     def __init__(self, program: Program, backend, ops, weights: Mapping[str, np.ndarray], dtype: str,
                  max_positions: int, progress: Callable[[Iterable], Iterable] = iter, quantization: str = "auto",
-                 kv_cache_dtype: str = "auto", groups: Mapping[str, Any] | None = None):
+                 kv_cache_dtype: str = "auto", groups: Mapping[str, Any] | None = None,
+                 kv_groups: KVCacheGroups | None = None):
         """`ops` (`infer.dispatch.Ops`) decides what serves each call and
         validates arguments; the first forward runs through it, later ones
         through an unchecked twin, since the program's shapes do not change
@@ -43,6 +45,9 @@ class ModelRunner:
 
         `groups`: the torch.distributed process group of each name the
         program's collectives give (``tp``); absent: the default group.
+
+        `kv_groups`: the hybrid KV cache's layout (`kv_groups.plan_kv_groups`);
+        None: one group of every layer, the plain cache.
         """
         self.program, self.backend, self.ops, self.dtype = program, backend, ops, dtype
         self.groups = dict(groups or {})
@@ -62,6 +67,7 @@ class ModelRunner:
         # The decoder layers this program runs (a pipeline stage runs a range of them);
         # KV caches exist for these only, in this order.
         self.layers = sorted({n.layer for n in program.graph.nodes if n.op == "attention"})
+        self.kv_groups = kv_groups or plan_kv_groups(dict.fromkeys(self.layers), hybrid=False)
         self.kv_caches: list[Any] = []
         self.kv_tier = None  # the host tier's store (`allocate_kv_tier`), when the engine has one
         self.contexts: dict[int, LayerContext] = {}
@@ -214,7 +220,8 @@ class ModelRunner:
         """Allocate every layer's cache and bind the program to them (see `LayerContext`)."""
         cfg = self.config
         shape = (num_blocks, block_size, self.num_kv_heads, cfg.head_dim)
-        layers = self.layers
+        # One tensor of pages per position in a KV group (every layer without a hybrid cache).
+        layers = range(self.kv_groups.num_slots)
         if self.kv_cache_dtype != "fp8":
             self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in layers]
         else:
@@ -226,9 +233,10 @@ class ModelRunner:
             else:
                 self.kv_caches = [self.backend.asarray(np.zeros(owner.kv_cache_shape(*shape), np.uint8)) for _ in layers]
         fp8 = self.kv_cache_dtype == "fp8"
-        self.contexts = {i: LayerContext(i, cache, self.kv_cache_dtype, self.kv_scales[i] if fp8 else None,
-                                         self._rope.get(i, {}))
-                         for i, cache in zip(layers, self.kv_caches)}
+        slot = self.kv_groups.layer_slot
+        self.contexts = {i: LayerContext(i, self.kv_caches[slot[i]], self.kv_cache_dtype,
+                                         self.kv_scales[i] if fp8 else None, self._rope.get(i, {}))
+                         for i in self.layers}
         fast = self.ops.unchecked()
         self._checked_steps = [self._bind(c, self.ops) for c in self.program.calls]
         self._steps = [self._bind(c, fast) for c in self.program.calls]
@@ -254,7 +262,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
         itemsize = 1 if self.kv_cache_dtype == "fp8" else 4 if self.dtype == "float32" else 2
-        return 2 * block_size * self.num_kv_heads * cfg.head_dim * itemsize * len(self.layers)
+        return 2 * block_size * self.num_kv_heads * cfg.head_dim * itemsize * self.kv_groups.num_slots
 
     def _bind(self, c: Call, ops) -> Callable[[dict], None]:
         if c.primitive in VIEW_OPS:
@@ -278,8 +286,8 @@ class ModelRunner:
                 named[arg.name] = c.attrs[arg.name]
             elif arg.source == "layer":
                 named[arg.name] = ctx.argument(arg.name, c.attrs)
-            elif arg.source == "step":
-                values[arg.name] = arg.name  # the forward puts meta and slot_mapping in env
+            elif arg.source == "step":  # the forward puts meta and slot_mapping (of each KV group) in env
+                values[arg.name] = self._step_value(arg.name, c.layer)
         key = dispatch_key(prim, dtype=self.dtype, named={**named, **values}, kv_cache_dtype=self.kv_cache_dtype,
                            head_dim=self.config.head_dim)
         if prim == "attention":
@@ -323,9 +331,10 @@ class ModelRunner:
         temporaries = tuple({o for e in c.expansion for o in e.outputs} - set(c.outputs))
         ins, outs, attrs, ctx = c.inputs, c.outputs, c.attrs, self.contexts[c.layer]
         fn = ops.fused(op, self._node_ops[c.node])
+        meta_key = self._step_value("meta", c.layer)
 
         def run(env):
-            result = fn(*(env[i] for i in ins), params=params, attrs=attrs, ctx=ctx, meta=env["meta"])
+            result = fn(*(env[i] for i in ins), params=params, attrs=attrs, ctx=ctx, meta=env[meta_key])
             if result is NotImplemented:
                 if not expansion:
                     raise RuntimeError(f"backend '{self.backend.name}' declined {c.primitive} of {c.node}, "
@@ -339,6 +348,11 @@ class ModelRunner:
                 env[o] = r
 
         return run
+
+    def _step_value(self, name: str, layer: int | None) -> str:
+        """The env name of a step value (``meta``, ``slot_mapping``) as a layer's KV group sees it."""
+        group = self.kv_groups.layer_group.get(layer, 0) if layer is not None else 0
+        return name if group == 0 else f"{name}.{group}"
 
     # -- execution ------------------------------------------------------------
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
@@ -357,6 +371,11 @@ class ModelRunner:
             raise RuntimeError("ModelRunner.forward before allocate_kv_caches")
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta,
                "slot_mapping": meta.slot_mapping, **(carry or {})}
+        if len(meta.kv_groups or ()) != self.kv_groups.num_groups - 1:
+            raise ValueError(f"the step's metadata has {1 + len(meta.kv_groups or ())} block tables; this model's "
+                             f"hybrid KV cache has {self.kv_groups.num_groups} groups ({self.kv_groups.describe()})")
+        for g, group_meta in enumerate(meta.kv_groups or (), 1):
+            env[f"meta.{g}"], env[f"slot_mapping.{g}"] = group_meta, group_meta.slot_mapping
         if self.has_lora:
             env["lora_indices"] = lora_indices  # None: no adapter in the step, the lora calls pass y through
         steps = self._steps if self._validated else self._checked_steps

@@ -41,7 +41,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .block_manager import BlockManager, PrefixCacheStats, cdiv
+from .block_manager import BlockManager, HybridBlockManager, PrefixCacheStats, cdiv
 from .config import CacheConfig, SchedulerConfig
 from .request import Request, RequestId, RequestStatus
 from .sampling_params import SamplingParams
@@ -81,18 +81,26 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.block_size = bs = cache_config.block_size
-        self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching,
-                                          cache_config.num_tier_blocks, cache_config.block_multiples)
+        windows = cache_config.kv_group_windows
+        if windows == (None,):
+            self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching,
+                                              cache_config.num_tier_blocks, cache_config.block_multiples)
+        else:
+            self.block_manager = HybridBlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching,
+                                                    cache_config.num_tier_blocks, cache_config.block_multiples,
+                                                    windows)
+        chunk = scheduler_config.max_num_batched_tokens
         # Unset (no model to ask): the longest context the pool, and without
         # chunking one step's budget, can hold.
-        self.max_model_len = scheduler_config.max_model_len or cache_config.num_blocks * bs
+        self.max_model_len = scheduler_config.max_model_len or self._longest_context(cache_config.num_blocks)
         if not scheduler_config.max_model_len and not scheduler_config.enable_chunked_prefill:
-            self.max_model_len = min(self.max_model_len, scheduler_config.max_num_batched_tokens)
+            self.max_model_len = min(self.max_model_len, chunk)
         # So a lone request can always grow to max_model_len: without it,
         # preemption could not make room and the request would never finish.
-        if cdiv(self.max_model_len, bs) > cache_config.num_blocks:
+        need = self.blocks_for(self.max_model_len)
+        if need > cache_config.num_blocks:
             raise ValueError(
-                f"max_model_len={self.max_model_len} needs {cdiv(self.max_model_len, bs)} KV blocks of {bs} tokens "
+                f"max_model_len={self.max_model_len} needs {need} KV blocks of {bs} tokens "
                 f"but the cache has {cache_config.num_blocks}; lower max_model_len or enlarge the KV cache"
             )
         scheduler_config.check_fits_unchunked(self.max_model_len)
@@ -110,6 +118,24 @@ class Scheduler:
         self._busy: set[RequestId] = set()
         self.num_preemptions = 0
         self.num_swapped_out = 0  # of the preemptions, those by swapping
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Most blocks one request of `num_tokens` tokens holds at once."""
+        bm = self.block_manager
+        if isinstance(bm, HybridBlockManager):
+            return bm.blocks_for(num_tokens, self.config.max_num_batched_tokens)
+        return cdiv(num_tokens, self.block_size)
+
+    def _longest_context(self, num_blocks: int) -> int:
+        """The longest request the pool can hold alone (a hybrid cache: its full groups fill up)."""
+        bs = self.block_size
+        if self.blocks_for(num_blocks * bs) <= num_blocks:
+            return num_blocks * bs
+        lo, hi = bs, num_blocks * bs  # blocks_for grows with the length: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.blocks_for(mid) <= num_blocks else (lo, mid - 1)
+        return lo
 
     # -- requests in and out ------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -271,7 +297,7 @@ class Scheduler:
             if bm.is_swapped(req.request_id):  # preempted by swapping: its blocks come back, nothing recomputed
                 num_hit = req.num_computed_tokens
                 n = self._num_new_tokens(req, num_hit, budget)
-                need = max(bm.num_swapped_blocks(req.request_id), -(-(num_hit + n) // self.block_size))
+                need = bm.resume_need(req, n)
                 if need > bm.num_free_blocks:
                     break  # backpressure, as below
                 bm.swap_in(req.request_id)
@@ -444,5 +470,6 @@ class Scheduler:
             tokens = tokens + req.spec_token_ids[:drafts]
         bm = self.block_manager
         block_ids = bm.block_table_row(req.request_id)
+        groups = bm.block_table_rows(req.request_id)[1:] if isinstance(bm, HybridBlockManager) else ()
         return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n - drafts == req.num_tokens, req,
-                                drafts, bm.pages_per_block(req.request_id))
+                                drafts, bm.pages_per_block(req.request_id), groups)

@@ -31,6 +31,9 @@ class ScheduledRequest:
     pages_per_block  pages (blocks of the pool's `block_size`) in each of the
                 request's blocks; `block_ids` lists pages either way, k > 1
                 of them in aligned runs of k (``--block-size auto``).
+    groups      with a hybrid KV cache (`kv_groups`): (block ids, pages per
+                block) in each group after the first, whose table is
+                `block_ids`; a windowed group's dropped blocks read 0.
     """
 
     request_id: RequestId
@@ -42,6 +45,7 @@ class ScheduledRequest:
     request: Request = field(repr=False)
     num_drafts: int = 0
     pages_per_block: int = 1
+    groups: tuple = ()
 
     @property
     def seq_len(self) -> int:
@@ -120,25 +124,13 @@ class SchedulerOutput:
         query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        max_blocks = max((len(s.block_ids) for s in scheduled), default=0)
-        block_table = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for b, s in enumerate(scheduled):
-            block_table[b, : len(s.block_ids)] = s.block_ids
-        # Position of every row, then its slot through its request's block table.
         row_req = np.repeat(np.arange(len(scheduled)), q_lens)
         offset_in_query = np.arange(num_tokens) - query_start_loc[row_req]
         positions = (seq_lens - q_lens)[row_req].astype(np.int64) + offset_in_query
-        slot_mapping = block_table[row_req, positions // bs].astype(np.int64) * bs + positions % bs
-        pages = np.array([s.pages_per_block for s in scheduled], dtype=np.int32)
-        block_sizes = None
-        if (pages > 1).any():  # mixed block sizes: each row in units of its own blocks
-            block_sizes = pages * bs
-            width = max(-(-len(s.block_ids) // k) for s, k in zip(scheduled, pages.tolist()))
-            table = np.zeros((len(scheduled), width), dtype=np.int32)
-            for b, (s, k) in enumerate(zip(scheduled, pages.tolist())):
-                row = np.asarray(s.block_ids[::k]) // k
-                table[b, : len(row)] = row
-            block_table = table
+        tables = [_tables([s.block_ids for s in scheduled], [s.pages_per_block for s in scheduled], row_req, positions, bs)]
+        for g in range(len(scheduled[0].groups) if scheduled else 0):
+            tables.append(_tables([s.groups[g][0] for s in scheduled], [s.groups[g][1] for s in scheduled], row_req,
+                                  positions, bs))
         input_ids = np.fromiter((t for s in scheduled for t in s.token_ids), dtype=np.int64, count=num_tokens)
         sampled = [b for b, s in enumerate(scheduled) if s.do_sample]
         ends = query_start_loc[1:][sampled].astype(np.int64)
@@ -149,7 +141,7 @@ class SchedulerOutput:
                 np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows))
         else:
             num_rows, logits_indices = None, ends - 1
-        meta = AttentionMetadata(
+        metas = [AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=block_table,
@@ -158,7 +150,10 @@ class SchedulerOutput:
             max_seq_len=int(seq_lens.max(initial=0)),
             block_size=bs,
             block_sizes=block_sizes,
-        )
+        ) for block_table, slot_mapping, block_sizes in tables]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.kv_groups = tuple(metas[1:])
         return ModelInput(
             input_ids=input_ids,
             positions=positions,
@@ -218,3 +213,24 @@ class StepResult:
 
     progressed: list[RequestProgress]
     finished: list[Request]
+
+
+def _tables(rows, pages: list[int], row_req: np.ndarray, positions: np.ndarray, bs: int):
+    """(block_table, slot_mapping, block_sizes) of one block table per request: the
+    table in pages (in units of each request's blocks when some use several pages)."""
+    block_table = np.zeros((len(rows), max((len(r) for r in rows), default=0)), dtype=np.int32)
+    for b, row in enumerate(rows):
+        block_table[b, : len(row)] = row
+    # Each row's slot through its request's block table.
+    slot_mapping = block_table[row_req, positions // bs].astype(np.int64) * bs + positions % bs
+    k_of = np.array(pages, dtype=np.int32)
+    block_sizes = None
+    if (k_of > 1).any():  # mixed block sizes: each row in units of its own blocks
+        block_sizes = k_of * bs
+        width = max(-(-len(r) // k) for r, k in zip(rows, pages))
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for b, (r, k) in enumerate(zip(rows, pages)):
+            row = np.asarray(r[::k]) // k
+            table[b, : len(row)] = row
+        block_table = table
+    return block_table, slot_mapping, block_sizes

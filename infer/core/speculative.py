@@ -315,7 +315,8 @@ class DraftModelProposer(Proposer):
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's path or alias)")
         # The whole draft on the sampling rank, also when the target is sharded over several.
         draft_args = dataclasses.replace(worker.args, model=config.model, max_model_len=worker.max_model_len,
-                                         speculative_config=None, enable_lora=False)
+                                         speculative_config=None, enable_lora=False,
+                                         disable_hybrid_kv_cache_manager=True)  # one table: the draft's BlockManager
         target_tokenizer = worker.model.tokenizer
         parts = build_model(draft_args, worker.backend, worker.ops, None, load_tokenizer=target_tokenizer is not None)
         vocab = parts.graph.config.vocab_size

@@ -85,6 +85,15 @@ class AttentionMetadata:
                        uses `block_size`. Only a provider that declares
                        `native_block_sizes` sees it; the core hands the others the
                        table in pages (`expand_block_table`).
+      kv_groups        None, or with a hybrid KV cache (`core/kv_groups.py`) the
+                       metadata of every group after the first: the same step
+                       with that group's `block_table`, `slot_mapping` and
+                       `block_sizes`. The core hands each layer its group's
+                       metadata, so a backend never reads this field; it only
+                       sees block tables whose entries behind a layer's sliding
+                       window read 0 (a page given back, maybe to another
+                       request): loaded or not, keys there stay masked like
+                       any key outside the window.
     """
 
     query_start_loc: Any
@@ -96,6 +105,7 @@ class AttentionMetadata:
     block_size: int
     plan: AttentionPlan | None = None
     block_sizes: Any = None
+    kv_groups: tuple | None = None
 
     @property
     def num_seqs(self) -> int:

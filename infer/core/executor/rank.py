@@ -20,6 +20,7 @@ from ..loader import load_model
 from ..lora import add_lora, lora_targets
 from ..lowering import TP_GROUP, lower
 from ..memory import trim_heap
+from ..kv_groups import plan_kv_groups
 from ..model_runner import CARRIED, ModelRunner
 from ..parallel import shard_graph
 
@@ -69,8 +70,14 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     # pay (always for 16-bit activations; for float32 only where they are exact).
     keep = a.quantization == "fp8" or (a.quantization == "auto" and backend.keeps_quantized(name))
     weights = m.lazy_weights(progress=a.show_progress, quantized=keep)
+    # Sliding-window layers get block tables of their own (not across pipeline stages yet: a
+    # stage's pool would hold pages of groups it has no layer of).
+    staged = dist is not None and dist.config.pipeline_parallel_size > 1
+    windows = {n.layer: n.attrs.get("sliding_window") for n in graph.nodes if n.op == "attention"}
+    kv_groups = plan_kv_groups(windows, hybrid=not (a.disable_hybrid_kv_cache_manager or staged))
     runner = ModelRunner(program, backend, ops, weights, name, max_model_len, quantization=a.quantization,
-                         kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None)
+                         kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None,
+                         kv_groups=kv_groups)
     weights.close()
     del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
     trim_heap()

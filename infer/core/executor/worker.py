@@ -78,11 +78,14 @@ class Worker:
     def profile_peak(self, n: int, block_size: int) -> int:
         """Peak device bytes of one forward over `n` prompt tokens (weights included)."""
         be, blocks = self.backend, -(-n // block_size)
+        groups = self.runner.kv_groups.num_groups  # a hybrid cache: each group its own pages
         be.reset_peak_memory()
-        self.allocate_kv(blocks, block_size)
-        table = np.arange(blocks, dtype=np.int32)[None]
-        meta = AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32), table,
-                                 np.arange(n, dtype=np.int64), n, n, block_size)
+        self.allocate_kv(blocks * groups, block_size)
+        metas = [AttentionMetadata(np.array([0, n], np.int32), np.array([n], np.int32),
+                                   np.arange(g * blocks, (g + 1) * blocks, dtype=np.int32)[None],
+                                   np.arange(n, dtype=np.int64) + g * blocks * block_size, n, n, block_size)
+                 for g in range(groups)]
+        meta = dataclasses.replace(metas[0], kv_groups=tuple(metas[1:]) or None)
         step = StepInput(np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n - 1], np.int64), meta)
         out = self._step(step)
         if out.logits is None and self.dist is not None and self.dist.is_driver:
@@ -161,6 +164,8 @@ class Worker:
     def _replay(self, step: StepInput):
         """The step's forward by a captured decode graph, or None when none fits it."""
         graphs = self.decode_graphs
+        if step.meta.kv_groups:
+            return None  # captured steps read one block table; a hybrid cache has one per group
         meta = expand_block_table(step.meta) if step.meta.block_sizes is not None else step.meta
         if not graphs.can_replay(meta):  # captured steps read tables of pages
             return None
