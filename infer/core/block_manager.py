@@ -322,6 +322,8 @@ class BlockManager:
         relative first moves the writer to a private copy (see `pop_block_copies`).
         A windowed group first gives back the blocks its window has left behind.
         """
+        if not new_computed_block_ids and self.settled(request, num_new_tokens):
+            return True
         self.drop_behind_window(request)
         plan = self.plan(request, num_new_tokens, new_computed_block_ids)
         if plan.need > self.num_free_blocks:
@@ -329,6 +331,20 @@ class BlockManager:
         self.take_hits(request, plan)
         self.fill(request, plan)
         return True
+
+    def settled(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether an allocation of `num_new_tokens` would change nothing: the request's
+        blocks cover them, none is shared, no block fell behind the window (most
+        decode steps; checked first, as it is cheaper than a plan)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        computed, bs = request.num_computed_tokens, self.block_size
+        if blocks is None or computed + num_new_tokens > len(blocks) * bs:
+            return False
+        if self.window is not None and (self.first_needed_block(computed) // self._pages.get(request.request_id, 1)
+                                        * self._pages.get(request.request_id, 1)
+                                        > self._dropped.get(request.request_id, 0)):
+            return False
+        return all(blocks[i].ref_cnt == 1 for i in range(computed // bs, len(blocks)))
 
     def plan(self, request: Request, num_new_tokens: int, hit_ids: Sequence[int | None] = ()) -> AllocationPlan:
         """What `allocate_slots` would take, changing nothing."""
@@ -733,6 +749,8 @@ class HybridBlockManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_block_ids: Sequence[Sequence[int | None]] | None = None) -> bool:
+        if not new_computed_block_ids and all(g.settled(request, num_new_tokens) for g in self.groups):
+            return True
         hits = new_computed_block_ids or [()] * len(self.groups)
         for g in self.groups:
             g.drop_behind_window(request)
