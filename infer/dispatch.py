@@ -266,7 +266,7 @@ class Ops:
 # call that passes it, so a plugin written before it keeps working through its fallback.
 _NEWER_ARGS = {
     "attention": (("sinks", "sinks"),),
-    "moe": (("expert_bias", "w13_bias"), ("moe_activation", "activation")),
+    "moe": (("expert_bias", "w13_bias"), ("moe_activation", "activation"), ("routing", "expert_groups")),
 }
 
 

@@ -109,6 +109,55 @@ class UnclampedSwigluOai(CpuRefBackend):
                                  w2_bias, activation, swiglu_alpha, 1e9 if swiglu_limit else None)
 
 
+class IgnoresRoutingBias(CpuRefBackend):
+    name = "mutant"
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
+            w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None,
+            scoring_func=None, routing_bias=None, expert_groups=None):
+        return CpuRefBackend.moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias, w2_bias,
+                                 activation, swiglu_alpha, swiglu_limit, routed_scaling_factor, scoring_func, None,
+                                 expert_groups)
+
+
+class ScalesSharedExpertToo(CpuRefBackend):
+    """Applies the routed scale to the shared experts' output as well."""
+    name = "mutant"
+
+    def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
+            w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None,
+            scoring_func=None, routing_bias=None, expert_groups=None):
+        if shared_gate is not None:  # Qwen2-MoE's gated shared expert: no routed scale to misapply
+            return CpuRefBackend.moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias,
+                                     w2_bias, activation, swiglu_alpha, swiglu_limit, routed_scaling_factor,
+                                     scoring_func, routing_bias, expert_groups)
+        out, counts = CpuRefBackend.moe(x, router_logits, w13, w2, top_k, renormalize, None, None, w13_bias, w2_bias,
+                                        activation, swiglu_alpha, swiglu_limit, routed_scaling_factor, scoring_func,
+                                        routing_bias, expert_groups)
+        if shared is not None:
+            out = out + (routed_scaling_factor or 1.0) * np.asarray(shared, np.float32)
+        return out, counts
+
+
+class IgnoresLatentRopeKey(CpuRefBackend):
+    """Scores latent attention without the rope part of its keys."""
+    name = "mutant"
+
+    def mla_attention(self, q_nope, q_pe, kv_cache, meta, kv_b_proj, scale, v_head_dim):
+        return CpuRefBackend.mla_attention(q_nope, np.zeros_like(np.asarray(q_pe)), kv_cache, meta, kv_b_proj, scale,
+                                           v_head_dim)
+
+
+class LatentInOnePlane(CpuRefBackend):
+    """Stores a latent's second half over its first (both in the K plane)."""
+    name = "mutant"
+
+    def mla_kv_write(self, c_kv, k_pe, kv_cache, slot_mapping):
+        latent = np.concatenate([np.asarray(c_kv), np.asarray(k_pe)], axis=1)
+        half = latent.shape[1] // 2
+        CpuRefBackend.kv_write(latent[:, None, half:], latent[:, None, half:], kv_cache, slot_mapping)
+
+
 class NoDownBias(CpuRefBackend):
     name = "mutant"
 
@@ -283,6 +332,10 @@ MUTANTS = [
     (SinkPerKvHead, "attention", {"sinks_mixed_gqa3_d64", "sinks_window4_gqa8_d64", "sinks_decode_many_blocks_gqa8_d64"}),
     (UnclampedSwigluOai, "moe", {"bias_swiglu_oai_top2_renorm", "swiglu_oai_one_token"}),
     (NoDownBias, "moe", {"bias_swiglu_oai_top2_renorm", "bias_silu_top4_e16"}),
+    (IgnoresRoutingBias, "moe", {"v3_sigmoid_bias_groups_top4_e16", "v3_one_token_groups_top2"}),
+    (ScalesSharedExpertToo, "moe", {"v3_sigmoid_bias_groups_top4_e16", "v2_greedy_scaled_shared"}),
+    (IgnoresLatentRopeKey, "mla_attention", {"mixed_h4", "decode_many_blocks_h8", "padding_row", "mixed_block_sizes"}),
+    (LatentInOnePlane, "mla_kv_write", {"scattered_r32_p8", "padded_minus1", "r64_p16"}),
     (HighestExpertOnTies, "moe", {"top1_ties_lowest_id", "top2_ties_lowest_id"}),
     (UngatedSharedExpert, "moe", {"shared_gated_top4", "shared_gated_one_token"}),
     (WritesPaddedSlots, "kv_write", {"padded_minus1_slots"}),

@@ -29,6 +29,7 @@ GROUPS = {
     "lora": ["lora"],
     # The row-wise kernels, and the primitives `cuda` takes from `torch` by declaration.
     "rowwise_and_fallbacks": ["rms_norm", "rotary", "act_and_mul", "embedding", "linear", "sample", "all_reduce",
+                              "mla_kv_write", "mla_attention",
                               "all_gather"],
 }
 

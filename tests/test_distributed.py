@@ -254,17 +254,20 @@ def tiny_dirs(tmp_path_factory):
     save_moe_model("qwen2_moe", root / "qwen2_moe")
     # gpt-oss: sinks split with their heads, expert biases (gate/up split, down bias on rank 0), router bias
     save_moe_model("gpt_oss", root / "gpt_oss")
+    # DeepSeek-V3: latent attention's heads split (q and kv_b rows, o columns), the latent replicated;
+    # grouped routing with a selection bias; shared experts
+    save_moe_model("deepseek_v3", root / "deepseek_v3")
     # Gemma 3 (tied, scaled embeddings; per-head q/k norms; local and global rope), Gemma 2 (soft-capped
     # logits after the gathered vocabulary), Phi-3 (fused qkv and gate_up tensors cut per part)
     # OLMo 2: q/k norms over all heads, each rank's q and k gathered for them
     for kind in ("gemma3", "gemma2", "phi3", "olmo2"):
         make_model(kind)[0].save_pretrained(root / kind)
     return {k: str(root / k) for k in ("llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3",
-                                       "gpt_oss", "olmo2")}
+                                       "gpt_oss", "olmo2", "deepseek_v3")}
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3_uneven", "mixtral", "qwen2_moe", "gemma3", "gemma2", "phi3",
-                                  "gpt_oss", "olmo2"])
+                                  "gpt_oss", "olmo2", "deepseek_v3"])
 def test_tp2_generates_what_one_process_does(tiny_dirs, kind):
     engine = {"backend": "torch", "dtype": "float32", "max_model_len": 128}
     [one] = generate(tiny_dirs[kind], engine)

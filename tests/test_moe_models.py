@@ -15,6 +15,7 @@ from infer.core.llm import LLM
 from infer.core.loader import CorruptCheckpointError, load_model
 from infer.core.lowering import lower
 from infer.core.model_runner import ModelRunner
+from infer.core.models.deepseek import build_deepseek
 from infer.core.models.moe import build_moe
 from infer.core.sampling_params import SamplingParams
 from infer.dispatch import Ops
@@ -32,7 +33,8 @@ VOCAB = 211
 def test_logits_match_transformers_through_prefill_chunks_and_decode(kind, backend_name):
     model, config, weights = make_moe_model(kind)
     backend = get_backend(backend_name)
-    runner = ModelRunner(lower(build_moe(config)), backend, Ops(backend), weights, "float32", 256)
+    build = build_deepseek if kind.startswith("deepseek") else build_moe
+    runner = ModelRunner(lower(build(config)), backend, Ops(backend), weights, "float32", 256)
     assert_logits_match_through_chunks(model, runner, backend, VOCAB)
 
 

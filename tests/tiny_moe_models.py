@@ -35,6 +35,26 @@ MOE_MODELS = {
                                                                            "beta_fast": 32.0, "beta_slow": 1.0,
                                                                            "truncate": False, "rope_theta": 150000.0,
                                                                            "original_max_position_embeddings": 64})),
+    # DeepSeek: latent attention (no q LoRA), a dense first layer then top-2 of 8 by softmax, two shared experts
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=3, num_attention_heads=4, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_shared_experts=2)),
+    # V2's group-limited routing (the 2 of 4 groups with the best expert) and a routed-sum scale, q LoRA
+    "deepseek_v2_groups": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_attention_heads=4, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5, n_shared_experts=1)),
+    # V3: q LoRA, sigmoid scores with a selection bias among the 2 of 4 groups whose two best experts lead,
+    # renormalised and scaled, YaRN with mscale in the softmax scale
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=3, num_attention_heads=4, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=32,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, n_shared_experts=1,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "rope_theta": 10000.0})),
 }
 
 
@@ -59,6 +79,14 @@ def make_moe_model(kind: str):
     """(transformers model, config dict, state dict as NumPy in the fused layout) of one tiny MoE model."""
     cfg_cls, model_cls, extra = MOE_MODELS[kind]
     model, config, state = random_model(cfg_cls, model_cls, **(COMMON | extra))
+    if kind == "deepseek_v3":  # a selection bias that changes the choice (the buffer starts at zero)
+        import torch
+
+        gen = torch.Generator().manual_seed(1)
+        for layer in model.model.layers[1:]:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape, generator=gen) * 0.2)
+        state = {k: v.numpy() for k, v in model.state_dict().items()}
     return model, config, fused_layout(kind, state)
 
 

@@ -22,11 +22,13 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("weight",),  # residual-fused when it has two inputs
     # All but the projections optional; *_lora_a/b: stacked LoRA adapters (`core/lora.py`).
     "attention": ("qkv_proj", "qkv_bias", "o_proj", "o_bias", "q_norm", "k_norm", "sinks",
-                  "qkv_lora_a", "qkv_lora_b", "o_lora_a", "o_lora_b"),
+                  "qkv_lora_a", "qkv_lora_b", "o_lora_a", "o_lora_b",
+                  # multi-head latent attention (attrs["mla"]: DeepSeek)
+                  "q_proj", "q_a_kv_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj"),
     "mlp": ("gate_up_proj", "gate_up_bias", "down_proj", "down_bias",
             "gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b"),
     # inputs: x, and a shared expert's output when it has one
-    "moe": ("router", "router_bias", "w13", "w13_bias", "w2", "w2_bias", "shared_gate"),
+    "moe": ("router", "router_bias", "w13", "w13_bias", "w2", "w2_bias", "shared_gate", "routing_bias"),
     "lm_head": ("weight",),
     # Elementwise steps between nodes (`lowering.ELEMENTWISE_OPS`): no parameters.
     "add": (),  # inputs a, b: a + b (OLMo 2's residual stream)

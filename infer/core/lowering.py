@@ -81,8 +81,9 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
     """Expand `graph`; `fuses(op, attrs)` says whether the backend runs a node whole."""
     calls: list[Call] = []
     for node in graph.nodes:
-        # A node with LoRA adapters runs as primitives: the `lora` calls follow its projections.
-        if fuses(node.op, node.attrs) and not any(r.endswith("_lora_a") for r in node.params):
+        # A node with LoRA adapters runs as primitives, as does latent attention (no fused form yet).
+        if (fuses(node.op, node.attrs) and not any(r.endswith("_lora_a") for r in node.params)
+                and not node.attrs.get("mla")):
             shape = _node_output_shape(graph, node)
             expansion = tuple(_EXPANSIONS[node.op](graph, node)) if node.op in _EXPANSIONS else ()
             calls.append(Call(f"fused_{node.op}", node.name, node.inputs, node.outputs, node.params, node.attrs,
@@ -128,6 +129,8 @@ def _rms_norm(g: Graph, n: Node) -> list[Call]:
 
 
 def _attention(g: Graph, n: Node) -> list[Call]:
+    if n.attrs.get("mla"):
+        return _mla_attention(g, n)
     a, p, name, L = n.attrs, n.params, n.name, n.layer
     hq, hk, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     x, positions = n.inputs
@@ -185,6 +188,49 @@ def _attention(g: Graph, n: Node) -> list[Call]:
     return calls
 
 
+def _mla_attention(g: Graph, n: Node) -> list[Call]:
+    """DeepSeek's latent attention (`models/deepseek.py`): queries per head, the latent
+    and rope key of each token, rope on the rope parts, then the latent is cached and
+    attended (`mla_kv_write`, `mla_attention`)."""
+    a, p, name, L = n.attrs, n.params, n.name, n.layer
+    h, nope, rope, r, vd = a["num_heads"], a["qk_nope_head_dim"], a["rotary_dim"], a["kv_lora_rank"], a["v_head_dim"]
+    x, positions = n.inputs
+    v = f"{name}."
+    qw = h * (nope + rope)
+    if "q_proj" in p:
+        calls = [Call("linear", name, (x,), (v + "q",), {"weight": p["q_proj"]}, {}, (("T", qw),), L),
+                 Call("linear", name, (x,), (v + "kva",), {"weight": p["kv_a_proj"]}, {}, (("T", r + rope),), L)]
+    else:  # q's and the latent's down-projections as one linear (both read x)
+        qr = g.params[p["q_a_kv_a_proj"]].shape[0] - r - rope
+        calls = [
+            Call("linear", name, (x,), (v + "qakva",), {"weight": p["q_a_kv_a_proj"]}, {}, (("T", qr + r + rope),), L),
+            Call("split", name, (v + "qakva",), (v + "qa", v + "kva"), {}, {"sizes": (qr, r + rope)},
+                 (("T", qr), ("T", r + rope)), L),
+            Call("rms_norm", name, (v + "qa",), (v + "qan",), {"weight": p["q_a_norm"]}, {"eps": a["eps"]},
+                 (("T", qr),), L),
+            Call("linear", name, (v + "qan",), (v + "q",), {"weight": p["q_b_proj"]}, {}, (("T", qw),), L),
+        ]
+    calls += [
+        Call("reshape", name, (v + "q",), (v + "q2",), {}, {"shape": (-1, nope + rope)}, ((f"T*{h}", nope + rope),), L),
+        Call("split", name, (v + "q2",), (v + "qn2", v + "qp2"), {}, {"sizes": (nope, rope)},
+             ((f"T*{h}", nope), (f"T*{h}", rope)), L),
+        Call("reshape", name, (v + "qn2",), (v + "qn",), {}, {"shape": (-1, h, nope)}, (("T", h, nope),), L),
+        Call("reshape", name, (v + "qp2",), (v + "qp",), {}, {"shape": (-1, h, rope)}, (("T", h, rope),), L),
+        Call("split", name, (v + "kva",), (v + "c", v + "kp"), {}, {"sizes": (r, rope)}, (("T", r), ("T", rope)), L),
+        Call("rms_norm", name, (v + "c",), (v + "cn",), {"weight": p["kv_a_norm"]}, {"eps": a["eps"]}, (("T", r),), L),
+        Call("reshape", name, (v + "kp",), (v + "kp3",), {}, {"shape": (-1, 1, rope)}, (("T", 1, rope),), L),
+        Call("rotary", name, (v + "qp", v + "kp3", positions), (v + "qp", v + "kp3"), {},
+             {"rotary_dim": rope, "neox_style": a["neox_style"]}, (("T", h, rope), ("T", 1, rope)), L),
+        Call("reshape", name, (v + "kp3",), (v + "kpr",), {}, {"shape": (-1, rope)}, (("T", rope),), L),
+        Call("mla_kv_write", name, (v + "cn", v + "kpr"), (), {}, {}, (), L),
+        Call("mla_attention", name, (v + "qn", v + "qp"), (v + "o3",), {"kv_b_proj": p["kv_b_proj"]},
+             {"scale": a["scale"], "v_head_dim": vd}, (("T", h, vd),), L),
+        Call("reshape", name, (v + "o3",), (v + "o",), {}, {"shape": (-1, h * vd)}, (("T", h * vd),), L),
+        Call("linear", name, (v + "o",), n.outputs, {"weight": p["o_proj"]}, {}, (("T", g.config.hidden_size),), L),
+    ]
+    return calls
+
+
 def _mlp(g: Graph, n: Node) -> list[Call]:
     p, name, L = n.params, n.name, n.layer
     inter = g.params[p["down_proj"]].shape[1]
@@ -228,8 +274,10 @@ def _moe(g: Graph, n: Node) -> list[Call]:
     attrs = {"top_k": a["top_k"], "renormalize": a["renormalize"]}
     if a.get("activation") not in (None, "silu"):  # gpt-oss's clamped SwiGLU
         attrs.update(activation=a["activation"], swiglu_alpha=a["swiglu_alpha"], swiglu_limit=a["swiglu_limit"])
+    attrs.update({k: a[k] for k in ("routed_scaling_factor", "scoring_func", "expert_groups") if a.get(k) is not None})
     calls.append(Call("moe", name, ins, (n.outputs[0], name + ".tokens_per_expert"),
-                      _pick(p, w13="w13", w2="w2", w13_bias="w13_bias", w2_bias="w2_bias"), attrs, (("T", h), (e,)), L))
+                      _pick(p, w13="w13", w2="w2", w13_bias="w13_bias", w2_bias="w2_bias", routing_bias="routing_bias"),
+                      attrs, (("T", h), (e,)), L))
     return calls
 
 

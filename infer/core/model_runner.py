@@ -53,6 +53,9 @@ class ModelRunner:
         self.groups = dict(groups or {})
         self.num_kv_heads = program.graph.kv_heads()
         self.quantization, self.kv_cache_dtype = quantization, kv_cache_dtype
+        if kv_cache_dtype == "fp8" and any(c.primitive == "mla_kv_write" for c in program.primitive_calls()):
+            raise ValueError(f"{program.graph.architecture} caches latents (multi-head latent attention), which have "
+                             "no fp8 form yet; serve it with kv_cache_dtype='auto'")
         # (k_scale, v_scale) per layer for an fp8 cache.
         self.kv_scales = [(1.0, 1.0)] * program.graph.num_layers
         if kv_cache_dtype == "fp8":

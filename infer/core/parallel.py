@@ -94,7 +94,12 @@ def shard_graph(graph: Graph, rank: int, size: int) -> Graph:
     roles: dict[str, str] = {}
     for node in graph.nodes:
         for role, name in node.params.items():
-            roles.setdefault(name, role)
+            # Latent attention (DeepSeek): heads split by even row / column cuts of its projections
+            # (each head's rows are contiguous), the latent's projections and norms replicated.
+            roles.setdefault(name, "" if node.attrs.get("mla") else role)
+        if node.attrs.get("mla") and cfg.num_heads % size:
+            raise ValueError(f"{graph.architecture}'s latent attention splits its {cfg.num_heads} heads evenly "
+                             f"over the ranks; tensor_parallel_size={size} does not divide them")
     params = {name: _shard_param(p, roles.get(name, ""), heads, d, rank, size) for name, p in graph.params.items()}
     nodes = []
     for node in graph.nodes:

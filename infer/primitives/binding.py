@@ -50,9 +50,13 @@ SIGNATURES: dict[str, tuple[Arg, ...]] = {
     "kv_write": _sig("k:value", "v:value", "kv_cache:layer", "slot_mapping:step", "scales:layer?"),
     "attention": _sig("q:value", "kv_cache:layer", "meta:step", "scale:attr", "sliding_window:attr?",
                       "soft_cap:attr?", "kv_scales:layer?", "sinks:weight?"),
+    "mla_kv_write": _sig("c_kv:value", "k_pe:value", "kv_cache:layer", "slot_mapping:step"),
+    "mla_attention": _sig("q_nope:value", "q_pe:value", "kv_cache:layer", "meta:step", "kv_b_proj:weight",
+                          "scale:attr", "v_head_dim:attr"),
     "moe": _sig("x:value", "router_logits:value", "w13:weight", "w2:weight", "top_k:attr", "renormalize:attr",
                 "shared:value?", "shared_gate:value?", "w13_bias:weight?", "w2_bias:weight?", "activation:attr?",
-                "swiglu_alpha:attr?", "swiglu_limit:attr?"),
+                "swiglu_alpha:attr?", "swiglu_limit:attr?", "routed_scaling_factor:attr?", "scoring_func:attr?",
+                "routing_bias:weight?", "expert_groups:attr?"),
     "lora": _sig("x:value", "y:value", "lora_a:weight", "lora_b:weight", "lora_indices:step", "output_slices:attr?"),
     "sample": _sig("logits:value", "params:step"),
     "all_reduce": _sig("x:value", "group:attr?"),
@@ -100,6 +104,11 @@ def dispatch_key(primitive: str, *, dtype: str, named: Mapping[str, Any] = {}, k
             key["expert_bias"] = True
         if named.get("activation") not in (None, "silu"):
             key["moe_activation"] = named["activation"]
+        if any(named.get(a) is not None for a in ("routed_scaling_factor", "scoring_func", "routing_bias",
+                                                   "expert_groups")):
+            key["routing"] = True  # DeepSeek's: sigmoid scores, a selection bias, expert groups, a scale
+    elif primitive in ("mla_kv_write", "mla_attention"):
+        key["head_dim"] = head_dim
     elif primitive == "attention":
         key.update(head_dim=head_dim, sliding_window=named.get("sliding_window") is not None,
                    soft_cap=named.get("soft_cap") is not None)

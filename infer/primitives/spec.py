@@ -122,6 +122,8 @@ PRIMITIVES: tuple[str, ...] = (
     "act_and_mul",
     "kv_write",
     "attention",
+    "mla_kv_write",
+    "mla_attention",
     "moe",
     "lora",
     "sample",
@@ -257,8 +259,39 @@ def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None
         _check_float("attention", "sinks", sinks)
 
 
+def check_mla_kv_write(c_kv, k_pe, kv_cache, slot_mapping) -> None:
+    t, r = _check_rank("mla_kv_write", "c_kv", c_kv, 2, "[T, R]")
+    dt = _check_float("mla_kv_write", "c_kv", c_kv)
+    tp, p = _check_rank("mla_kv_write", "k_pe", k_pe, 2, "[T, P]")
+    if tp != t:
+        raise PrimitiveArgumentError("mla_kv_write", "k_pe", f"must have {t} rows like c_kv, got {tp}")
+    _check_same_dtype("mla_kv_write", "k_pe", k_pe, dt)
+    if (r + p) % 2:
+        raise PrimitiveArgumentError("mla_kv_write", "k_pe", f"R + P must be even (the latent fills two planes), got {r + p}")
+    if _check_rank("mla_kv_write", "slot_mapping", slot_mapping, 1, "[T]") != (t,):
+        raise PrimitiveArgumentError("mla_kv_write", "slot_mapping", f"must be [{t}], got {_shape(slot_mapping)}")
+    _check_int("mla_kv_write", "slot_mapping", slot_mapping)
+
+
+def check_mla_attention(q_nope, q_pe, kv_cache, meta, kv_b_proj, scale, v_head_dim) -> None:
+    t, h, n = _check_rank("mla_attention", "q_nope", q_nope, 3, "[T, H, N]")
+    dt = _check_float("mla_attention", "q_nope", q_nope)
+    tp, hp, _ = _check_rank("mla_attention", "q_pe", q_pe, 3, "[T, H, P]")
+    if (tp, hp) != (t, h):
+        raise PrimitiveArgumentError("mla_attention", "q_pe", f"must be [{t}, {h}, P] like q_nope, got {_shape(q_pe)}")
+    _check_same_dtype("mla_attention", "q_pe", q_pe, dt)
+    if not isinstance(meta, AttentionMetadata):
+        raise PrimitiveArgumentError("mla_attention", "meta", f"must be AttentionMetadata, got {type(meta).__name__}")
+    if meta.num_tokens != t:
+        raise PrimitiveArgumentError("mla_attention", "meta", f"describes {meta.num_tokens} tokens but q_nope has {t}")
+    rows, _ = _check_rank("mla_attention", "kv_b_proj", kv_b_proj, 2, "[H * (N + V), R]")
+    if v_head_dim < 1 or rows != h * (n + v_head_dim):
+        raise PrimitiveArgumentError("mla_attention", "kv_b_proj", f"must have {h} * ({n} + {v_head_dim}) rows, got {rows}")
+
+
 def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
-              activation=None, swiglu_alpha=None, swiglu_limit=None) -> None:
+              activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None,
+              routing_bias=None, expert_groups=None) -> None:
     t, h = _check_rank("moe", "x", x, 2, "[T, H]")
     dt = _check_float("moe", "x", x)
     tr, e = _check_rank("moe", "router_logits", router_logits, 2, "[T, E]")
@@ -282,6 +315,18 @@ def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared
             raise PrimitiveArgumentError("moe", "shared_gate", "is given without 'shared', which it would scale")
         if _check_rank("moe", "shared_gate", shared_gate, 2, "[T, 1]") != (t, 1):
             raise PrimitiveArgumentError("moe", "shared_gate", f"must be [{t}, 1], got {_shape(shared_gate)}")
+    if scoring_func not in (None, "softmax", "sigmoid"):
+        raise PrimitiveArgumentError("moe", "scoring_func", f"must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    if routing_bias is not None and _shape(routing_bias) != (e,):
+        raise PrimitiveArgumentError("moe", "routing_bias", f"must be [{e}] (one per expert), got {_shape(routing_bias)}")
+    if expert_groups is not None:
+        groups, keep, kind = expert_groups
+        if groups < 1 or e % groups or not 1 <= keep <= groups or kind not in ("max", "top2"):
+            raise PrimitiveArgumentError("moe", "expert_groups", f"must be (groups dividing {e}, groups kept in "
+                                         f"[1, groups], 'max' or 'top2'), got {expert_groups!r}")
+        if top_k > keep * (e // groups):
+            raise PrimitiveArgumentError("moe", "expert_groups", f"keeps {keep * (e // groups)} experts, fewer than "
+                                         f"top_k={top_k}")
     for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
         if bias is not None:
             if _shape(bias) != shape:

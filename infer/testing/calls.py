@@ -206,13 +206,38 @@ def call_attention(h: Harness, x: dict) -> None:
     h.out("out", out, like=q)
 
 
+def call_mla_kv_write(h: Harness, x: dict) -> None:
+    cache = h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
+    h.call("mla_kv_write", c_kv=h.f(x["c_kv"]), k_pe=h.f(x["k_pe"]), kv_cache=cache, slot_mapping=h.i(x["slot_mapping"]))
+    _cache_outputs(h, cache, x["cache_shape"])
+
+
+def call_mla_attention(h: Harness, x: dict) -> None:
+    """The latents arrive as `kv_write` stores them (their halves as K and V of one
+    head: `mla_kv_write`'s layout), the cached ones before this step's."""
+    cache = h.backend.allocate_kv_cache(*x["cache_shape"], h.dtype)
+    if len(x["cached_slots"]):
+        h.call("kv_write", helper=True, k=h.f(x["cached_k"]), v=h.f(x["cached_v"]), kv_cache=cache,
+               slot_mapping=h.i(x["cached_slots"]))
+    meta = h.ops.prepare_metadata(x["meta"], **h.key("attention", head_dim=int(x["cache_shape"][-1])))
+    if len(x["new_k"]):
+        h.call("kv_write", helper=True, k=h.f(x["new_k"]), v=h.f(x["new_v"]), kv_cache=cache,
+               slot_mapping=meta.slot_mapping)
+    q_nope = h.f(x["q_nope"])
+    out = h.call("mla_attention", q_nope=q_nope, q_pe=h.f(x["q_pe"]), kv_cache=cache, meta=meta,
+                 kv_b_proj=h.f(x["kv_b_proj"]), scale=x["scale"], v_head_dim=x["v_head_dim"])
+    h.out("out", out, like=q_nope)
+
+
 def call_moe(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
     out, counts = h.call("moe", x=xx, router_logits=h.f(x["router_logits"]), w13=h.f(x["w13"]), w2=h.f(x["w2"]),
                          top_k=x["top_k"], renormalize=x["renormalize"], shared=h.f(x["shared"]),
                          shared_gate=h.f(x["shared_gate"]), w13_bias=h.f(x.get("w13_bias")),
                          w2_bias=h.f(x.get("w2_bias")), activation=x.get("activation"),
-                         swiglu_alpha=x.get("swiglu_alpha"), swiglu_limit=x.get("swiglu_limit"))
+                         swiglu_alpha=x.get("swiglu_alpha"), swiglu_limit=x.get("swiglu_limit"),
+                         routed_scaling_factor=x.get("routed_scaling_factor"), scoring_func=x.get("scoring_func"),
+                         routing_bias=h.f(x.get("routing_bias")), expert_groups=x.get("expert_groups"))
     h.out("out", out, like=xx)
     h.out("tokens_per_expert", counts, dtype="int64")
 

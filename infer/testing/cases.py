@@ -241,6 +241,27 @@ def all_cases(block_size: int = 16) -> list[Case]:
                                              w_scale=1.5, limit=0.75)),
         ("bias_silu_top4_e16", dict(top_k=4, e=16, renormalize=True, bias=True)),
         ("swiglu_oai_one_token", dict(t=1, top_k=4, renormalize=True, activation="swiglu_oai", w_scale=1.5, limit=1.0)),
+        # DeepSeek's routing: V3's sigmoid scores, selection bias and groups led by their two best experts;
+        # V2's groups led by their best; a routed-sum scale (shared experts unscaled).
+        ("v3_sigmoid_bias_groups_top4_e16", dict(top_k=4, e=16, renormalize=True, shared="plain", routing=dict(
+            scoring_func="sigmoid", bias=0.3, expert_groups=(4, 2, "top2"), routed_scaling_factor=2.5))),
+        ("v3_one_token_groups_top2", dict(t=1, top_k=2, renormalize=True, routing=dict(
+            scoring_func="sigmoid", bias=0.3, expert_groups=(4, 1, "top2")))),
+        ("v2_group_max_top2_scaled", dict(top_k=2, renormalize=False, routing=dict(
+            expert_groups=(4, 2, "max"), routed_scaling_factor=1.5))),
+        ("v2_greedy_scaled_shared", dict(top_k=2, renormalize=False, shared="plain",
+                                         routing=dict(routed_scaling_factor=2.0))),
+    ])
+    # DeepSeek's latent attention: prefill chunks, decodes over many blocks, a padding row,
+    # mixed block sizes.
+    cases += _each_dtype("mla_kv_write", [("scattered_r32_p8", dict(t=12)), ("padded_minus1", dict(t=12, padded=True)),
+                                          ("r64_p16", dict(t=7, r=64, p=16)), ("empty_batch", dict(t=0))])
+    cases += _each_dtype("mla_attention", [
+        ("mixed_h4", dict(reqs=[(5, 5), (3, 20), (1, 40)], h=4)),
+        ("decode_many_blocks_h8", dict(reqs=[(1, 70), (1, 3)], h=8, r=64, p=16, nope=32, v=24)),
+        ("padding_row", dict(reqs=[(1, 9), (1, 0)], h=2)),
+        ("mixed_block_sizes", dict(reqs=[(4, 30), (1, 50)], h=4, pages=[2, 1])),
+        ("one_token", dict(reqs=[(1, 1)], h=2)),
     ])
     cases += _each_dtype("lora", [
         ("decode_4_slots", dict(t=7)), ("one_slice_rank16", dict(t=9, rank=16, k=64, slices=(24,))),

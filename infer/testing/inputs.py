@@ -177,12 +177,34 @@ def attention(rng, dtype, reqs, hq, d, hk=2, block_size=16, sliding_window=None,
     }
 
 
+def mla_kv_write(rng, dtype, t, r=32, p=8, block_size=16, num_blocks=4, padded=False):
+    """A latent of `r` + `p` dims per token to scattered slots (-1 on every third with `padded`)."""
+    mapping = rng.choice(num_blocks * block_size, size=t, replace=False).astype(np.int64)
+    if padded:
+        mapping[::3] = -1
+    return {"c_kv": _normal(rng, (t, r), dtype), "k_pe": _normal(rng, (t, p), dtype), "slot_mapping": mapping,
+            "cache_shape": (num_blocks, block_size, 1, (r + p) // 2)}
+
+
+def mla_attention(rng, dtype, reqs, h, r=32, p=8, nope=16, v=12, block_size=16, pages=None):
+    """`attention`'s paged batch with one KV "head" holding each token's latent halves
+    ((r + p) / 2 dims a plane), queries split into their no-rope and rope parts, and
+    ``kv_b_proj`` [h * (nope + v), r]."""
+    x = attention(rng, dtype, reqs, 1, (r + p) // 2, hk=1, block_size=block_size, pages=pages)
+    t = len(x["q"])
+    return {**x, "q_nope": _normal(rng, (t, h, nope), dtype), "q_pe": _normal(rng, (t, h, p), dtype),
+            "kv_b_proj": _normal(rng, (h * (nope + v), r), dtype, r**-0.5), "v_head_dim": v,
+            "scale": (nope + p) ** -0.5}
+
+
 def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_expert=None, shared=None, bias=False,
-        activation=None, limit=7.0, w_scale=1.0):
+        activation=None, limit=7.0, w_scale=1.0, routing=None):
     """`hot_expert`: every token's top choice is that expert. `shared`:
     'gated' (Qwen2-MoE's sigmoid-gated shared expert) or 'plain'. `bias`:
     per-expert biases; `activation` 'swiglu_oai' with clamp `limit`
-    (a low `limit`, or `w_scale` > 1, makes the clamp bite)."""
+    (a low `limit`, or `w_scale` > 1, makes the clamp bite). `routing`: DeepSeek's
+    (`scoring_func`, `expert_groups`, `routed_scaling_factor`, and with `bias` in it
+    a selection bias of that spread)."""
     # Router logits spaced >= 0.25 apart so no dtype rounding creates a tie by
     # accident; `ties` then makes the lowest-id-first rule decide on purpose.
     logits = np.stack([rng.permutation(e) * 0.5 - 2.0 + rng.uniform(0, 0.1, e) for _ in range(t)]) if t else np.zeros((0, e))
@@ -205,6 +227,11 @@ def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_exper
         "activation": activation,
         "swiglu_alpha": 1.702 if activation == "swiglu_oai" else None,
         "swiglu_limit": limit if activation == "swiglu_oai" else None,
+        "scoring_func": (routing or {}).get("scoring_func"),
+        "expert_groups": (routing or {}).get("expert_groups"),
+        "routed_scaling_factor": (routing or {}).get("routed_scaling_factor"),
+        "routing_bias": round_to_dtype(rng.normal(0.0, routing["bias"], e), dtype) if (routing or {}).get("bias")
+        else None,
     }
 
 
@@ -353,6 +380,7 @@ def lora(rng, dtype, t, slices=(40,), k=48, rank=8, slots=4, indices="mixed"):
 
 BUILDERS: dict[str, Any] = {
     name: globals()[name]
-    for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "moe", "lora",
+    for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "mla_kv_write",
+                 "mla_attention", "moe", "lora",
                  "sample", "all_reduce", "all_gather", "copy_blocks", "read_write_blocks")
 }

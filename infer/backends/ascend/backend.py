@@ -71,6 +71,9 @@ class AscendBackend(TorchTensors):
             if kw.get("expert_bias") or kw.get("moe_activation"):
                 return Support(False, "npu_grouped_matmul + npu_swiglu as chained here take no expert biases "
                                       "and no clamped SwiGLU (gpt-oss)")
+            if kw.get("routing"):
+                return Support(False, "npu_moe_gating_top_k_softmax is the softmax top-k; DeepSeek's routing "
+                                      "(sigmoid scores, selection bias, expert groups, a routed scale) is torch's")
             return base
         if kw.get("dtype") == "float32":
             return Support(False, "npu_fused_infer_attention_score takes float16/bfloat16 queries only")

@@ -11,11 +11,15 @@ from .availability import torch_npu
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         renormalize: bool, shared=None, shared_gate=None, w13_bias=None, w2_bias=None, activation=None,
-        swiglu_alpha=None, swiglu_limit=None) -> tuple[torch.Tensor, torch.Tensor]:
-    if shared is not None or w13_bias is not None or w2_bias is not None or activation not in (None, "silu"):
-        # Declined in AscendBackend.supports (shared_expert, expert_bias, moe_activation): Ops sends these calls to torch.
-        raise NotImplementedError("backend 'ascend' moe has no shared expert, expert biases or clamped SwiGLU; "
-                                  "resolve moe with the dispatch key")
+        swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None, routing_bias=None,
+        expert_groups=None) -> tuple[torch.Tensor, torch.Tensor]:
+    routing = (routed_scaling_factor, scoring_func, routing_bias, expert_groups)
+    if (shared is not None or w13_bias is not None or w2_bias is not None or activation not in (None, "silu")
+            or any(a is not None for a in routing)):
+        # Declined in AscendBackend.supports (shared_expert, expert_bias, moe_activation, routing): Ops sends
+        # these calls to torch.
+        raise NotImplementedError("backend 'ascend' moe has no shared expert, expert biases, clamped SwiGLU or "
+                                  "DeepSeek routing; resolve moe with the dispatch key")
     npu = torch_npu()
     num_tokens = x.shape[0]
     num_experts = w13.shape[0]

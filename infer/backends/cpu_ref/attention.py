@@ -81,3 +81,50 @@ def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, 
         probs /= total
         out[start:end] = np.einsum("hqk,khd->qhd", probs, v)
     return out
+
+
+# -- multi-head latent attention (DeepSeek V2/V3) ---------------------------------
+# An MLA layer caches one latent per token: [c_kv (R), k_pe (P)], stored in the
+# default layout with one KV head of (R + P) / 2 dims: its first half in the K
+# plane, its second in the V plane.
+
+
+def mla_kv_write(c_kv, k_pe, kv_cache, slot_mapping) -> None:
+    latent = np.concatenate([np.asarray(c_kv), np.asarray(k_pe)], axis=1)
+    half = latent.shape[1] // 2
+    kv_write(latent[:, None, :half], latent[:, None, half:], kv_cache, slot_mapping)
+
+
+def mla_latents(kv_cache, meta: AttentionMetadata, b: int) -> np.ndarray:
+    """Request b's cached latents, float64 [seq_len, R + P]."""
+    k, v = gather_context(kv_cache, context_pages(meta, b), int(meta.seq_lens[b]))
+    return np.concatenate([k[:, 0], v[:, 0]], axis=1)
+
+
+def mla_attention(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_proj, scale, v_head_dim):
+    """Each head attends with keys ``[W_UK[h] c, k_pe]`` and values ``W_UV[h] c`` of the
+    cached latents, where ``kv_b_proj`` [H * (N + V), R] holds each head's W_UK rows
+    then its W_UV rows; causal, like `attention`."""
+    t, h, n = q_nope.shape
+    r = kv_b_proj.shape[1]
+    w = np.asarray(kv_b_proj, np.float64).reshape(h, n + v_head_dim, r)
+    w_uk, w_uv = w[:, :n], w[:, n:]
+    qn, qp = np.asarray(q_nope, np.float64), np.asarray(q_pe, np.float64)
+    out = np.zeros((t, h, v_head_dim), dtype=np.float32)
+    for b in range(meta.num_seqs):
+        start, end = int(meta.query_start_loc[b]), int(meta.query_start_loc[b + 1])
+        seq_len, q_len = int(meta.seq_lens[b]), end - start
+        if q_len == 0 or seq_len == 0:
+            continue
+        latent = mla_latents(kv_cache, meta, b)
+        c, k_pe = latent[:, :r], latent[:, r:]
+        keys = np.einsum("sr,hnr->hsn", c, w_uk)
+        values = np.einsum("sr,hvr->hsv", c, w_uv)
+        scores = (np.einsum("thn,hsn->hts", qn[start:end], keys) + np.einsum("thp,sp->hts", qp[start:end], k_pe)) * scale
+        pos = seq_len - q_len + np.arange(q_len)
+        scores = np.where(np.arange(seq_len)[None, None, :] <= pos[None, :, None], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("hts,hsv->thv", probs, values)
+    return out

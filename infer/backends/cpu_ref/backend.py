@@ -55,6 +55,8 @@ class CpuRefBackend(Backend):
     rotary = staticmethod(ops.rotary)
     act_and_mul = staticmethod(ops.act_and_mul)
     kv_write = staticmethod(attention.kv_write)
+    mla_kv_write = staticmethod(attention.mla_kv_write)
+    mla_attention = staticmethod(attention.mla_attention)
     attention = staticmethod(attention.attention)
     moe = staticmethod(moe.moe)
     lora = staticmethod(ops.lora)

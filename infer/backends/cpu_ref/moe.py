@@ -9,16 +9,37 @@ import numpy as np
 from .ops import act
 
 
-def route(router_logits, top_k, renormalize):
-    """(expert ids [T, k], weights [T, k]) per token."""
+def route(router_logits, top_k, renormalize, routed_scaling_factor=None, scoring_func=None, routing_bias=None,
+          expert_groups=None):
+    """(expert ids [T, k], weights [T, k]) per token.
+
+    Scores are the softmax of the logits (or their sigmoid); experts are chosen by
+    score plus `routing_bias`, only among the `keep` groups of experts whose best
+    score (``"max"``) or two best summed (``"top2"``) lead, when `expert_groups` =
+    (groups, keep, kind) is given; their weights are the scores without the bias,
+    renormalised if asked, times `routed_scaling_factor`."""
     logits = router_logits.astype(np.float64)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    # A stable sort of -probs puts the lowest expert id first among equals.
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    if scoring_func == "sigmoid":
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+    choice = probs if routing_bias is None else probs + np.asarray(routing_bias, np.float64)
+    if expert_groups is not None:
+        groups, keep, kind = expert_groups
+        g = choice.reshape(len(choice), groups, -1)
+        score = g.max(axis=-1) if kind == "max" else np.sort(g, axis=-1)[..., -2:].sum(axis=-1)
+        kept = np.argsort(-score, axis=-1, kind="stable")[:, :keep]
+        mask = np.zeros_like(score, dtype=bool)
+        np.put_along_axis(mask, kept, True, axis=-1)
+        choice = np.where(np.repeat(mask, g.shape[-1], axis=-1), choice, -np.inf)
+    # A stable sort puts the lowest expert id first among equals.
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
     weights = np.take_along_axis(probs, ids, axis=-1)
     if renormalize:
         weights /= weights.sum(axis=-1, keepdims=True)
+    if routed_scaling_factor is not None:
+        weights *= routed_scaling_factor
     return ids, weights
 
 
@@ -39,10 +60,12 @@ def expert(x, w13_e, w2_e, b13_e=None, b2_e=None, activation=None, alpha=None, l
 
 
 def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
-        activation=None, swiglu_alpha=None, swiglu_limit=None):
+        activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None,
+        routing_bias=None, expert_groups=None):
     t, h = x.shape
     n_experts = w13.shape[0]
-    ids, weights = route(router_logits, top_k, renormalize)
+    ids, weights = route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func, routing_bias,
+                         expert_groups)
     x64 = x.astype(np.float64)
     out = np.zeros((t, h), dtype=np.float64)
     for e in range(n_experts):

@@ -102,11 +102,12 @@ class CudaBackend(TorchTensors):
         return paged_attention(q, kv_cache, meta, scale, sliding_window, soft_cap, kv_scales, sinks=sinks)
 
     def moe(self, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
-            w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None):
+            w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None,
+            scoring_func=None, routing_bias=None, expert_groups=None):
         from .moe import moe
 
         return moe(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias, w2_bias, activation,
-                   swiglu_alpha, swiglu_limit)
+                   swiglu_alpha, swiglu_limit, routed_scaling_factor, scoring_func, routing_bias, expert_groups)
 
     def lora(self, x, y, lora_a, lora_b, lora_indices, output_slices=None):
         from .lora import lora

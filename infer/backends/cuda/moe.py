@@ -161,7 +161,9 @@ def _gemm(c, a, w, sorted_pairs, block_expert, pair_weight, num_pairs, n_out, ro
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         renormalize: bool, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
         w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, activation: str | None = None,
-        swiglu_alpha: float | None = None, swiglu_limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        swiglu_alpha: float | None = None, swiglu_limit: float | None = None, routed_scaling_factor: float | None = None,
+        scoring_func: str | None = None, routing_bias: torch.Tensor | None = None,
+        expert_groups: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -170,7 +172,15 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-    ids, weights = route(router_logits, top_k, renormalize)
+    if any(a is not None for a in (routed_scaling_factor, scoring_func, routing_bias, expert_groups)):
+        # DeepSeek's routing (sigmoid scores, a selection bias, expert groups): torch's, then the same kernels.
+        from ..torch_native.moe import route as grouped_route
+
+        ids, weights = grouped_route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func,
+                                     routing_bias, expert_groups)
+        ids = ids.to(torch.int32)
+    else:
+        ids, weights = route(router_logits, top_k, renormalize)
     num_pairs = num_tokens * top_k
     # Small batches (decode) get small tiles: less padding per expert.
     block_m = 16 if num_pairs <= 4 * num_experts else 64

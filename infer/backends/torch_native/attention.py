@@ -415,3 +415,68 @@ def attention(
         padded = _group_attention(q, kv_cache, meta, plan, gi, scale, sliding_window, soft_cap, kv_scales, sinks)
         out.index_copy_(0, g.token_rows, padded.index_select(0, g.padded_rows))
     return out
+
+
+# -- multi-head latent attention (DeepSeek V2/V3): cpu_ref's definition ------------
+
+
+def mla_kv_write(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    latent = torch.cat([c_kv, k_pe], dim=1)
+    half = latent.shape[1] // 2
+    kv_write(latent[:, None, :half], latent[:, None, half:], kv_cache, slot_mapping)
+
+
+def mla_attention(q_nope, q_pe, kv_cache, meta: AttentionMetadata, kv_b_proj, scale, v_head_dim):
+    """Absorbed: each head's query is taken into the latent space (``q_nope W_UK[h]``),
+    scored against the cached latents and rope keys in float32, and the latent-space
+    output is brought out by ``W_UV[h]``. The two absorptions run in the model dtype
+    (a 16-bit model rounds there as its own k and v projections would); a decode step
+    runs every request at once, other steps one request at a time."""
+    t, h, n = q_nope.shape
+    r = kv_b_proj.shape[1]
+    w = kv_b_proj.reshape(h, n + v_head_dim, r)
+    w_uk, w_uv = w[:, :n], w[:, n:]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).float()  # [T, H, R]
+    qp = q_pe.float()
+    if meta.block_sizes is None and meta.max_query_len == 1 and t == meta.num_seqs and t:
+        o_lat = _mla_decode(q_lat, qp, kv_cache, meta, r, scale)
+    else:
+        o_lat = torch.zeros(t, h, r, dtype=torch.float32, device=q_nope.device)
+        page = meta.block_size
+        qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        sizes = None if meta.block_sizes is None else meta.block_sizes.tolist()
+        for b, seq_len in enumerate(seq_lens):
+            start, end = qsl[b], qsl[b + 1]
+            if end == start or seq_len == 0:
+                continue
+            k = (sizes[b] if sizes else page) // page
+            blocks = meta.block_table[b, : -(-seq_len // (k * page))].long()
+            pages = (blocks[:, None] * k + torch.arange(k, device=blocks.device)).reshape(-1)[: -(-seq_len // page)]
+            latent = torch.cat([kv_cache[0, pages], kv_cache[1, pages]], dim=-1).reshape(-1, kv_cache.shape[-1] * 2)
+            latent = latent[:seq_len].float()
+            c, k_pe = latent[:, :r], latent[:, r:]
+            scores = (torch.einsum("thr,sr->hts", q_lat[start:end], c)
+                      + torch.einsum("thp,sp->hts", qp[start:end], k_pe)) * scale
+            pos = seq_len - (end - start) + torch.arange(end - start, device=c.device)
+            scores = scores.masked_fill(torch.arange(seq_len, device=c.device)[None, None, :] > pos[None, :, None],
+                                        float("-inf"))
+            o_lat[start:end] = torch.einsum("hts,sr->thr", scores.softmax(dim=-1), c)
+    out = torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, V]
+    return out.transpose(0, 1).contiguous()
+
+
+def _mla_decode(q_lat, q_pe, kv_cache, meta: AttentionMetadata, r: int, scale: float) -> torch.Tensor:
+    """One query per request (a decode step), all requests at once: each one's latents
+    gathered into a [B, S, R + P] batch (S its longest context, shorter ones masked)."""
+    bs, half = meta.block_size, kv_cache.shape[-1]
+    seq_lens = meta.seq_lens.long()
+    pos = torch.arange(max(int(meta.max_seq_len), 1), device=q_lat.device)
+    cols = (pos // bs).clamp(max=meta.block_table.shape[1] - 1)
+    slots = meta.block_table.long()[:, cols] * bs + pos % bs  # [B, S]
+    flat = kv_cache.reshape(2, -1, half)
+    latent = torch.cat([flat[0][slots], flat[1][slots]], dim=-1).float()  # [B, S, R + P]
+    c, k_pe = latent[..., :r], latent[..., r:]
+    scores = torch.baddbmm(torch.bmm(q_lat, c.transpose(1, 2)), q_pe, k_pe.transpose(1, 2), alpha=1.0) * scale
+    scores = scores.masked_fill(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))
+    probs = scores.softmax(dim=-1).nan_to_num(0.0)  # a padding row (seq_len 0) reads nothing
+    return torch.bmm(probs, c)

@@ -7,7 +7,7 @@ from typing import Any
 from ...primitives.backend import FastPath, Support
 from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
 from . import collectives, fast_paths, fused, native, ops, quant_linear
-from .attention import LazyPlan, attention, kv_write, lazy_plan
+from .attention import LazyPlan, attention, kv_write, lazy_plan, mla_attention, mla_kv_write
 from .lora import lora
 from .moe import moe
 from ...primitives.torch_tensors import TorchTensors
@@ -89,6 +89,8 @@ class TorchBackend(TorchTensors):
     linear = staticmethod(quant_linear.linear_any)
     kv_write = staticmethod(kv_write)
     attention = staticmethod(attention)
+    mla_kv_write = staticmethod(mla_kv_write)
+    mla_attention = staticmethod(mla_attention)
     moe = staticmethod(moe)
     lora = staticmethod(lora)
 

@@ -26,15 +26,32 @@ import torch
 import torch.nn.functional as F
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids [T, k] int64, float32 weights [T, k]), lowest expert id first on ties."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling_factor=None,
+          scoring_func=None, routing_bias=None, expert_groups=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k] int64, float32 weights [T, k]), lowest expert id first on ties;
+    the routing cpu_ref's `route` defines."""
+    logits = router_logits.float()
+    probs = torch.sigmoid(logits) if scoring_func == "sigmoid" else torch.softmax(logits, dim=-1)
     # torch.topk does not promise which of equal values it returns; a stable
     # descending sort does (E is small, so the full sort costs nothing).
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if routing_bias is None and expert_groups is None:
+        weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        weights, ids = weights[:, :top_k], ids[:, :top_k]
+    else:
+        choice = probs if routing_bias is None else probs + routing_bias.float()
+        if expert_groups is not None:
+            groups, keep, kind = expert_groups
+            g = choice.reshape(len(choice), groups, -1)
+            score = g.amax(dim=-1) if kind == "max" else torch.sort(g, dim=-1).values[..., -2:].sum(dim=-1)
+            kept = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :keep]
+            mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(g.shape[-1], dim=-1), float("-inf"))
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+        weights = probs.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor is not None:
+        weights = weights * routed_scaling_factor
     return ids, weights
 
 
@@ -112,10 +129,15 @@ def moe(
     activation: str | None = None,
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
+    routed_scaling_factor: float | None = None,
+    scoring_func: str | None = None,
+    routing_bias: torch.Tensor | None = None,
+    expert_groups: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
-    ids, weights = route(router_logits, top_k, renormalize)
+    ids, weights = route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func, routing_bias,
+                         expert_groups)
     flat_ids = ids.flatten()
     tokens_per_expert = torch.bincount(flat_ids, minlength=num_experts).long()
     order = torch.argsort(flat_ids, stable=True)

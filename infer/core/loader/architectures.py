@@ -10,10 +10,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..models.llama import ARCHITECTURES as LLAMA_ARCHITECTURES
+from ..models.deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES
 from ..models.moe import ARCHITECTURES as MOE_ARCHITECTURES
 from .errors import UnsupportedArchitectureError
 
-SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MOE_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 
 
 def check_architecture(config: dict, source: Path | str, supported: Iterable[str] | None = None) -> str:

@@ -2,9 +2,11 @@
 
 from ...primitives.hookspecs import hookimpl
 from .llama import ARCHITECTURES, build_llama
+from .deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES, build_deepseek
 from .moe import ARCHITECTURES as MOE_ARCHITECTURES, build_moe
 
 
 @hookimpl
 def infer_register_models():
-    return {arch: build_llama for arch in ARCHITECTURES} | {arch: build_moe for arch in MOE_ARCHITECTURES}
+    return {arch: build_llama for arch in ARCHITECTURES} | {arch: build_moe for arch in MOE_ARCHITECTURES} | {
+        arch: build_deepseek for arch in DEEPSEEK_ARCHITECTURES}

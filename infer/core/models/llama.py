@@ -45,7 +45,8 @@ def _norm(g: Graph, cfg: ModelConfig, i: int, which: int, ins, outs) -> None:
     g.add("rms_norm", f"layers.{i}.{name}", ins, outs, {"weight": w}, layer=i, eps=cfg.rms_norm_eps)
 
 
-def build_decoder(cfg: ModelConfig, feed_forward: Callable[[Graph, ModelConfig, int], None]) -> Graph:
+def build_decoder(cfg: ModelConfig, feed_forward: Callable[[Graph, ModelConfig, int], None],
+                  attention: Callable[[Graph, ModelConfig, int], None] | None = None) -> Graph:
     """Embedding, layers of attention then `feed_forward(g, cfg, layer)` (which
     writes ``hidden``), final norm and head: the skeleton the MoE architectures
     share with Llama.
@@ -55,7 +56,7 @@ def build_decoder(cfg: ModelConfig, feed_forward: Callable[[Graph, ModelConfig, 
     them first, so the add costs no pass of its own. Norms after attention and
     the MLP ("sandwich", "post" layouts) normalise a block's output before it
     joins the stream; OLMo 2 ("post") feeds blocks the stream itself, summed by
-    an ``add`` node."""
+    an ``add`` node. `attention` replaces `attention_block` (DeepSeek's latent attention)."""
     g = Graph(cfg.architecture, cfg, num_layers=cfg.num_layers)
     h, v = cfg.hidden_size, cfg.vocab_size
     table = g.param("embed_tokens", (v, h), "model.embed_tokens.weight", shard="vocab")
@@ -64,7 +65,7 @@ def build_decoder(cfg: ModelConfig, feed_forward: Callable[[Graph, ModelConfig, 
         g.add("scale", "embed.scale", ["hidden"], ["hidden"], factor=cfg.embed_scale, rounded=cfg.embed_scale_rounded)
     post = norm_names(cfg)
     for i in range(cfg.num_layers):
-        attention_block(g, cfg, i)
+        (attention or attention_block)(g, cfg, i)
         feed_forward(g, cfg, i)
         if cfg.residual_scale is not None:
             g.add("scale", f"layers.{i}.mlp.scale", ["hidden"], ["hidden"], layer=i, factor=cfg.residual_scale)

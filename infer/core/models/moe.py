@@ -49,6 +49,12 @@ class MoESpec:
     activation: str | None = None  # None: SwiGLU; "swiglu_oai": gpt-oss's clamped form
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    shared_module: str = "mlp.shared_expert"  # the shared expert's module (DeepSeek: "mlp.shared_experts")
+    # DeepSeek's routing (see the `moe` primitive): None where the softmax's top-k is all
+    routed_scaling_factor: float | None = None
+    scoring_func: str | None = None
+    routing_bias: str | None = None  # the router's module attribute holding the selection bias
+    expert_groups: tuple | None = None  # (groups, groups kept, "max" | "top2")
 
 
 def moe_spec(config: dict, num_layers: int) -> MoESpec:
@@ -127,11 +133,16 @@ def sparse_block(g: Graph, cfg: ModelConfig, spec: MoESpec, i: int) -> None:
         params["w2_bias"] = g.param(f"{n}.w2_bias", (e, h), f"{p}.experts.down_proj_bias")
     inputs = ["normed"]
     if spec.shared_intermediate_size:
-        dense_mlp(g, cfg, i, spec.shared_intermediate_size, module="mlp.shared_expert", out="shared")
+        dense_mlp(g, cfg, i, spec.shared_intermediate_size, module=spec.shared_module, out="shared")
         inputs.append("shared")
         if spec.shared_gate:
             params["shared_gate"] = g.param(f"{n}.shared_gate", (1, h), f"{p}.shared_expert_gate.weight")
     extra = {}
     if spec.activation is not None:
         extra = dict(activation=spec.activation, swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit)
+    if spec.routing_bias is not None:
+        params["routing_bias"] = g.param(f"{n}.routing_bias", (e,), f"{p}.{spec.router}.{spec.routing_bias}")
+    for name in ("routed_scaling_factor", "scoring_func", "expert_groups"):
+        if getattr(spec, name) is not None:
+            extra[name] = getattr(spec, name)
     g.add("moe", n, inputs, ["hidden"], params, layer=i, top_k=spec.top_k, renormalize=spec.renormalize, **extra)
