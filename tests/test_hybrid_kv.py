@@ -313,3 +313,25 @@ def test_infer_backends_reports_the_hybrid_capacity(gemma3, capsys, monkeypatch)
     # tokens (the default budget) in 130
     assert plain == pytest.approx((8 << 20) // (256 * 6 * 16) * 16 / 4096, abs=0.006)
     assert hybrid == pytest.approx(2048 / (256 + 5 * 130), abs=0.006)
+
+
+def test_a_hit_stops_where_a_windowed_group_lost_a_block_its_window_needs():
+    """The full group still holds a whole prefix while the windowed group's copy of a
+    block inside the window was evicted: the hit is the longest prefix both can take."""
+    bm = HybridBlockManager(16, 2, enable_prefix_caching=True, windows=(None, 2))
+    first = Request("a", list(range(9)))
+    assert bm.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    bm.cache_blocks(first)
+    bm.free("a")
+    windowed = bm.groups[1]
+    evicted = windowed.cached_block_hash_to_block.pop(windowed._key(first.block_hashes[3]))
+    evicted.block_hash = None  # as if its page was taken for other tokens
+    again = Request("b", list(range(9)) + [50, 51])
+    hits, num_hit = bm.get_computed_blocks(again)
+    # The full group has blocks 0-3 cached; a hit of all 4 (8 tokens) needs the windowed group's block 3,
+    # gone; a hit of 3 (6 tokens) needs only its block 2
+    assert num_hit == 6 and len(hits[0]) == 3 and hits[1][:2] == [None, None] and hits[1][2] is not None
+    assert bm.allocate_slots(again, len(again.all_token_ids) - num_hit, hits)
+    bm.free("b")
+    assert bm.num_free_blocks == bm.num_blocks
