@@ -207,11 +207,11 @@ class Ops:
         """A step's host metadata on the backend's device, with the plan of the
         backend that serves attention for the dispatch key `kw` (maybe a
         fallback, whose kernel then finds its own plan)."""
-        provider = self.provider("attention", **kw)
         if meta.kv_groups:  # a hybrid cache: each group's metadata on its own (`AttentionMetadata.kv_groups`)
             out = self.prepare_metadata(dataclasses.replace(meta, kv_groups=None), **kw)
             out.kv_groups = tuple(self.prepare_metadata(m, **kw) for m in meta.kv_groups)
             return out
+        provider = self.provider("attention", **kw)
         if meta.block_sizes is not None and not provider.native_block_sizes:
             meta = expand_block_table(meta)
         if provider.api_version < 2:  # v1: the provider moved the arrays and attached `backend_data` itself

@@ -35,7 +35,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .kv_groups import blocks_for
 from .kv_tier import TierIndex, TierOp
 from .request import Request
 
@@ -340,9 +339,8 @@ class BlockManager:
         computed, bs = request.num_computed_tokens, self.block_size
         if blocks is None or computed + num_new_tokens > len(blocks) * bs:
             return False
-        if self.window is not None and (self.first_needed_block(computed) // self._pages.get(request.request_id, 1)
-                                        * self._pages.get(request.request_id, 1)
-                                        > self._dropped.get(request.request_id, 0)):
+        k = self._pages.get(request.request_id, 1)
+        if self.window is not None and self.first_needed_block(computed) // k * k > self._dropped.get(request.request_id, 0):
             return False
         return all(blocks[i].ref_cnt == 1 for i in range(computed // bs, len(blocks)))
 
@@ -379,7 +377,7 @@ class BlockManager:
         if rid not in self.req_to_blocks:
             self.req_to_blocks[rid] = []
             self.num_cached_blocks[rid] = len(hit)
-            self._dropped[rid] = len(hit) - len([b for b in hit if b is not None])
+            self._dropped[rid] = sum(b is None for b in hit)
             if self.enable_prefix_caching and self.group == 0:
                 self.prefix_cache_stats.queries += request.num_tokens
                 self.prefix_cache_stats.hits += len(hit) * bs
@@ -707,11 +705,6 @@ class HybridBlockManager:
     def blocks_held(self, request_id: str) -> int:
         """Blocks the request holds in all groups (not counting dropped ones)."""
         return sum(sum(b is not None for b in g.req_to_blocks.get(request_id, ())) for g in self.groups)
-
-    def blocks_for(self, num_tokens: int, chunk: int) -> int:
-        """Most blocks one request of `num_tokens` tokens holds at once, computing at
-        most `chunk` tokens a step (a windowed group holds its window and the chunk)."""
-        return blocks_for(self.windows, num_tokens, self.block_size, chunk)
 
     # -- the BlockManager interface, over every group --------------------------------
     def pages_per_block(self, request_id: str) -> int:

@@ -41,7 +41,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .block_manager import BlockManager, HybridBlockManager, PrefixCacheStats, cdiv
+from .block_manager import BlockManager, HybridBlockManager, PrefixCacheStats
+from .kv_groups import blocks_for
 from .config import CacheConfig, SchedulerConfig
 from .request import Request, RequestId, RequestStatus
 from .sampling_params import SamplingParams
@@ -81,7 +82,7 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.block_size = bs = cache_config.block_size
-        windows = cache_config.kv_group_windows
+        self.kv_group_windows = windows = cache_config.kv_group_windows
         if windows == (None,):
             self.block_manager = BlockManager(cache_config.num_blocks, bs, cache_config.enable_prefix_caching,
                                               cache_config.num_tier_blocks, cache_config.block_multiples)
@@ -121,10 +122,7 @@ class Scheduler:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Most blocks one request of `num_tokens` tokens holds at once."""
-        bm = self.block_manager
-        if isinstance(bm, HybridBlockManager):
-            return bm.blocks_for(num_tokens, self.config.max_num_batched_tokens)
-        return cdiv(num_tokens, self.block_size)
+        return blocks_for(self.kv_group_windows, num_tokens, self.block_size, self.config.max_num_batched_tokens)
 
     def _longest_context(self, num_blocks: int) -> int:
         """The longest request the pool can hold alone (a hybrid cache: its full groups fill up)."""
@@ -469,7 +467,9 @@ class Scheduler:
         if drafts:
             tokens = tokens + req.spec_token_ids[:drafts]
         bm = self.block_manager
-        block_ids = bm.block_table_row(req.request_id)
-        groups = bm.block_table_rows(req.request_id)[1:] if isinstance(bm, HybridBlockManager) else ()
+        if isinstance(bm, HybridBlockManager):  # every group's table
+            (block_ids, _), *groups = bm.block_table_rows(req.request_id)
+        else:
+            block_ids, groups = bm.block_table_row(req.request_id), ()
         return ScheduledRequest(req.request_id, start, n, tokens, block_ids, start + n - drafts == req.num_tokens, req,
-                                drafts, bm.pages_per_block(req.request_id), groups)
+                                drafts, bm.pages_per_block(req.request_id), tuple(groups))

@@ -231,6 +231,13 @@ def check_act_and_mul(x, kind) -> None:
         raise PrimitiveArgumentError("act_and_mul", "kind", f"must be one of {ACTIVATIONS}, got {kind!r}")
 
 
+def _check_meta(primitive: str, meta, t: int, queries: str) -> None:
+    if not isinstance(meta, AttentionMetadata):
+        raise PrimitiveArgumentError(primitive, "meta", f"must be AttentionMetadata, got {type(meta).__name__}")
+    if meta.num_tokens != t:
+        raise PrimitiveArgumentError(primitive, "meta", f"describes {meta.num_tokens} tokens but {queries} has {t}")
+
+
 def check_kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
     t, hk, d = _check_rank("kv_write", "k", k, 3, "[T, Hk, D]")
     dt = _check_float("kv_write", "k", k)
@@ -245,10 +252,7 @@ def check_kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None:
 def check_attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scales=None, sinks=None) -> None:
     t, hq, _ = _check_rank("attention", "q", q, 3, "[T, Hq, D]")
     _check_float("attention", "q", q)
-    if not isinstance(meta, AttentionMetadata):
-        raise PrimitiveArgumentError("attention", "meta", f"must be AttentionMetadata, got {type(meta).__name__}")
-    if meta.num_tokens != t:
-        raise PrimitiveArgumentError("attention", "meta", f"describes {meta.num_tokens} tokens but q has {t}")
+    _check_meta("attention", meta, t, "q")
     if sliding_window is not None and sliding_window < 1:
         raise PrimitiveArgumentError("attention", "sliding_window", f"must be >= 1 or None, got {sliding_window}")
     if soft_cap is not None and not soft_cap > 0:
@@ -280,10 +284,7 @@ def check_mla_attention(q_nope, q_pe, kv_cache, meta, kv_b_proj, scale, v_head_d
     if (tp, hp) != (t, h):
         raise PrimitiveArgumentError("mla_attention", "q_pe", f"must be [{t}, {h}, P] like q_nope, got {_shape(q_pe)}")
     _check_same_dtype("mla_attention", "q_pe", q_pe, dt)
-    if not isinstance(meta, AttentionMetadata):
-        raise PrimitiveArgumentError("mla_attention", "meta", f"must be AttentionMetadata, got {type(meta).__name__}")
-    if meta.num_tokens != t:
-        raise PrimitiveArgumentError("mla_attention", "meta", f"describes {meta.num_tokens} tokens but q_nope has {t}")
+    _check_meta("mla_attention", meta, t, "q_nope")
     rows, _ = _check_rank("mla_attention", "kv_b_proj", kv_b_proj, 2, "[H * (N + V), R]")
     if v_head_dim < 1 or rows != h * (n + v_head_dim):
         raise PrimitiveArgumentError("mla_attention", "kv_b_proj", f"must have {h} * ({n} + {v_head_dim}) rows, got {rows}")
