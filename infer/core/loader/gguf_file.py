@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,75 +22,15 @@ import numpy as np
 
 from . import quant_gguf
 from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
+from .gguf_arch import (GEMMA, GGUF_ARCHITECTURES, PERMUTED_QK, deepseek2_config, gemma_config, gpt_oss_config,
+                        hf_name, joined_tensors, unpermute_rows)
 from .gguf_header import GGUFHeader, GGUFVersionError
 
-# GGUF general.architecture -> (HF architecture, model_type)
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),  # llama.cpp stores Mistral as llama too
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "granite": ("GraniteForCausalLM", "granite"),
-    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
-    "phi3": ("Phi3ForCausalLM", "phi3"),
-    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
-    "glm4": ("Glm4ForCausalLM", "glm4"),
-}
-# Phi-3 keeps q/k/v in one tensor and gate/up in `ffn_up`, as its HF checkpoint does.
-_PHI3_LAYER_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-# GLM-4: its fused gate/up in `ffn_up`, and the norms after attention and the MLP under GLM's names.
-_GLM4_LAYER_NAMES = {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
-                     "post_ffw_norm": "post_mlp_layernorm"}
-# Gemma's four norms per layer: llama.cpp calls the one before the MLP `ffn_norm` (HF's
-# pre_feedforward_layernorm), the one after attention `post_attention_norm`.
-_POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **_POST_NORM_NAMES}
-# Per architecture, the layer tensor names that differ from the Llama family's.
-_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _POST_NORM_NAMES,
-                     "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}
-# What llama.cpp fixes for an architecture instead of storing it: the period of its
-# windowed/full layer pattern (the last layer of each period is full) and the layer count of
-# the 27B models, whose attention scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim).
-_GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
-_PERMUTED_QK = {"llama", "granite", "smollm3"}  # converted by llama.cpp's LlamaModel (or a subclass)
-
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 # Tensors that are config, not weights: llama.cpp bakes Llama 3 rope scaling into rope_freqs.
 _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _REFETCH = "re-download the GGUF file"
 # Float32 bytes of the row chunks `GGUFCheckpoint.read` dequantizes at a time (bounds its temporaries).
 CHUNK_BYTES = 4 << 20
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m is None:
-        return None
-    name = _ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _LAYER_NAMES.get(m.group(2))
-    return None if name is None else f"model.layers.{m.group(1)}.{name}.{suffix}"
-
-
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's `LlamaModel.permute`: per head, rows (pairs, 2) -> (2, pairs)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class GGUFCheckpoint:
@@ -126,8 +65,13 @@ class GGUFCheckpoint:
                                                f"GGUF {supported}. Use a GGUF of a supported architecture")
         self._gguf_tensors = {t.name: t for t in self.reader.tensors}
         self._by_hf_name = {}
+        self._joined = joined_tensors(self.arch, self._gguf_tensors)
+        parts = {p for j in self._joined.values() for p in j.parts}
+        if missing := sorted(parts - set(self._gguf_tensors)):
+            raise CorruptCheckpointError(f"{path}: tensor {missing[0]} is missing beside the other part of the "
+                                         f"tensor it is stored with; {_REFETCH}")
         for name, tensor in self._gguf_tensors.items():
-            if name in _CONFIG_TENSORS:
+            if name in _CONFIG_TENSORS or name in parts:
                 continue
             mapped = hf_name(name, self.arch)
             if mapped is None:
@@ -182,8 +126,8 @@ class GGUFCheckpoint:
             cfg["attention_bias"] = "blk.0.attn_q.bias" in self._gguf_tensors
         if (window := self._arch_field("attention.sliding_window")) is not None:
             cfg["sliding_window"] = int(window)
-        if self.arch in _GEMMA:
-            cfg.update(self._gemma_config(cfg))
+        if self.arch in GEMMA:
+            cfg.update(gemma_config(self.arch, self._arch_field, cfg))
         if self.arch == "phi3":
             cfg.update(self._phi3_config(cfg))
         if self.arch == "smollm3":  # llama.cpp fixes it: every 4th layer has no rope (no key stores it)
@@ -191,6 +135,13 @@ class GGUFCheckpoint:
         if self.arch == "glm4":  # rope on part of each head, as rope.dimension_count says
             rotated = self._arch_field("rope.dimension_count")
             cfg["partial_rotary_factor"] = int(rotated) / cfg["head_dim"] if rotated else 0.5
+        if self.arch == "deepseek2":
+            try:
+                cfg.update(deepseek2_config(self._arch_field, self._gguf_tensors, cfg))
+            except ValueError as exc:
+                raise LoaderError(f"{self.path}: {exc}; convert the model again with a current llama.cpp") from None
+        if self.arch == "gpt-oss":
+            cfg.update(gpt_oss_config(self._arch_field, cfg))
         if self.arch == "granite":  # llama.cpp names the multipliers scales; logit_scale divides the logits
             for key, hf_key in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                                 ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
@@ -222,34 +173,6 @@ class GGUFCheckpoint:
                                    "short_factor": factors("rope_factors_short.weight")}
             if orig is not None:
                 out["rope_scaling"]["original_max_position_embeddings"] = int(orig)
-        return out
-
-    def _gemma_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        """Gemma 2/3 as llama.cpp reads them: its converter stores norm weights as 1 + w
-        (so no offset is added at load), and the layer pattern, local rope base and
-        attention scale are fixed by the architecture (and model size) rather than stored."""
-        period, layers_27b = _GEMMA[self.arch]
-        layers = cfg["num_hidden_layers"]
-        pattern = self._arch_field("attention.sliding_window_pattern")
-        if isinstance(pattern, (list, tuple)):  # newer files: one flag per layer, true where windowed
-            windowed = [bool(p) for p in pattern]
-        else:
-            n = int(pattern or period)
-            windowed = [i % n < n - 1 for i in range(layers)]
-        out: dict[str, Any] = {
-            "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
-            "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if layers == layers_27b
-            else cfg["head_dim"],
-            "attn_logit_softcapping": self._arch_field("attn_logit_softcapping"),
-            "final_logit_softcapping": self._arch_field("final_logit_softcapping"),
-            "gguf_norm_shift": 1.0,
-        }
-        if cfg.get("sliding_window") is None:  # no window stored: every layer attends fully
-            out["layer_types"] = ["full_attention"] * layers
-            out["sliding_window"] = None
-        if self.arch == "gemma3":
-            out["rope_local_base_freq"] = 10000.0
         return out
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -290,16 +213,30 @@ class GGUFCheckpoint:
     # -- tensors ------------------------------------------------------------
     @property
     def names(self) -> list[str]:
-        return list(self._by_hf_name)
+        return [*self._by_hf_name, *self._joined]
 
     def nbytes(self, name: str) -> int:
+        if name in self._joined:
+            return sum(int(self._gguf_tensors[p].n_bytes) for p in self._joined[name].parts)
         return int(self._by_hf_name[name].n_bytes)
 
     def read(self, name: str) -> np.ndarray:
         """One weight dequantized to float32, in HF layout."""
+        if name in self._joined:
+            joined = self._joined[name]
+            return joined.join([self._dequantize(self._gguf_tensors[p]) for p in joined.parts])
+        w = self._dequantize(self._by_hf_name[name])
+        if self.arch in PERMUTED_QK:
+            if ".self_attn.q_proj." in name:
+                w = unpermute_rows(w, self.config["num_attention_heads"])
+            elif ".self_attn.k_proj." in name:
+                w = unpermute_rows(w, self.config["num_key_value_heads"])
+        return w
+
+    def _dequantize(self, t) -> np.ndarray:
+        """One stored tensor as float32, in HF's dimension order."""
         from gguf import dequantize
 
-        t = self._by_hf_name[name]
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest-moving dimension first
         data = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)
         w = np.empty((data.shape[0], int(np.prod(shape)) // data.shape[0]), dtype=np.float32)
@@ -313,13 +250,7 @@ class GGUFCheckpoint:
         except NotImplementedError as exc:
             raise LoaderError(f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, which gguf-py cannot "
                               "dequantize; use a file quantized to F16, Q8_0, Q4_0/Q4_1 or a K-quant") from exc
-        w = w.reshape(shape)
-        if self.arch in _PERMUTED_QK:
-            if ".self_attn.q_proj." in name:
-                w = unpermute_rows(w, self.config["num_attention_heads"])
-            elif ".self_attn.k_proj." in name:
-                w = unpermute_rows(w, self.config["num_key_value_heads"])
-        return w
+        return w.reshape(shape)
 
     def _raw_slice(self, name: str, axis: int, start: int, stop: int):
         """(raw ggml rows of [start, stop) along `axis`, their HF shape, the q/k head count
@@ -327,8 +258,8 @@ class GGUFCheckpoint:
         not a matrix or the cut splits the type's blocks."""
         from gguf.constants import GGML_QUANT_SIZES
 
-        t = self._by_hf_name[name]
-        shape = tuple(int(d) for d in reversed(t.shape))
+        t = self._by_hf_name.get(name)
+        shape = tuple(int(d) for d in reversed(t.shape)) if t is not None else ()
         if len(shape) != 2:
             return None
         rows, cols = shape
@@ -341,14 +272,14 @@ class GGUFCheckpoint:
                 return None
             part, out = data[:, start // block * block_bytes:stop // block * block_bytes], (rows, stop - start)
         heads = None
-        if self.arch in _PERMUTED_QK and axis == 0:
+        if self.arch in PERMUTED_QK and axis == 0:
             for key, module in (("num_attention_heads", ".self_attn.q_proj."), ("num_key_value_heads", ".self_attn.k_proj.")):
                 if module in name:
                     head_rows = rows // self.config[key]
                     if start % head_rows or stop % head_rows:
                         return None  # unpermuting works on whole heads
                     heads = (stop - start) // head_rows
-        elif self.arch in _PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+        elif self.arch in PERMUTED_QK and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             return None
         return np.ascontiguousarray(part), out, heads
 
@@ -369,6 +300,8 @@ class GGUFCheckpoint:
         only that part; None for a tensor `read_quantized` gives no handle for."""
         from ..quant_params import slice_handle
 
+        if name in self._joined:
+            return None
         t = self._by_hf_name[name]
         raw = self._raw_slice(name, axis, start, stop)
         if raw is None:
@@ -383,12 +316,14 @@ class GGUFCheckpoint:
     def read_quantized(self, name: str):
         """One weight as a quantized handle (Q4_0, Q4_1, Q8_0 kept as stored,
         q/k rows unpermuted), or None for a tensor of another type: `read` it."""
-        t = self._by_hf_name[name]
+        t = self._by_hf_name.get(name)
+        if t is None:  # stored in parts
+            return None
         shape = tuple(int(d) for d in reversed(t.shape))
         if len(shape) != 2:
             return None
         handle = quant_gguf.to_handle(t.data, t.tensor_type.name, *shape)
-        if handle is not None and self.arch in _PERMUTED_QK:
+        if handle is not None and self.arch in PERMUTED_QK:
             if ".self_attn.q_proj." in name:
                 handle = quant_gguf.permute_rows(handle, lambda a: unpermute_rows(a, self.config["num_attention_heads"]))
             elif ".self_attn.k_proj." in name:
