@@ -1,6 +1,7 @@
-"""GGUF files of gpt-oss and DeepSeek V2/V3, written as llama.cpp's converter writes them
-(gguf-py's own tensor-name map; experts stacked per layer, gpt-oss's interleaved gate/up
-split, DeepSeek's kv_b_proj split into k_b and v_b), load to transformers' tokens."""
+"""GGUF files of the MoE architectures (Mixtral, Qwen2/3-MoE, gpt-oss, DeepSeek V2/V3), written
+as llama.cpp's converter writes them (gguf-py's own tensor-name map; experts stacked per
+layer, gpt-oss's interleaved gate/up split, DeepSeek's kv_b_proj split into k_b and v_b),
+load to transformers' tokens."""
 
 from __future__ import annotations
 
@@ -181,6 +182,43 @@ def write_gpt_oss_gguf(model, path, mxfp4: bool = False) -> str:
     return str(path)
 
 
+def write_routed_gguf(model, path) -> str:
+    """Mixtral (LlamaModel: q/k rows permuted into llama.cpp's rotary layout), Qwen2-MoE and
+    Qwen3-MoE: experts stacked per layer, the expert widths and counts as metadata."""
+    from test_loader import llama_cpp_permute
+
+    c = model.config
+    arch = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+            "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}[c.model_type]
+    w = _writer(model, path, arch)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if arch != gguf.MODEL_ARCH.LLAMA:
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == gguf.MODEL_ARCH.QWEN2MOE:
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for name, value in model.state_dict().items():
+        value = value.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            inter = value.shape[1] // 2
+            _add(w, names, name.replace("gate_up_proj", "gate_proj.weight"), value[:, :inter])
+            _add(w, names, name.replace("gate_up_proj", "up_proj.weight"), value[:, inter:])
+        elif name.endswith("mlp.experts.down_proj"):
+            _add(w, names, name + ".weight", value)
+        elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            _add(w, names, name, llama_cpp_permute(value, heads))
+        else:
+            _add(w, names, name, value)
+    _close(w)
+    return str(path)
+
+
 def _mxfp4_round_trip(model) -> None:
     """The model's expert weights replaced by their MXFP4 values (gguf-py's quantize, then its
     dequantize: the oracle for what a file of them holds)."""
@@ -232,6 +270,13 @@ def test_gpt_oss_gguf_with_mxfp4_experts_loads_their_values(tmp_path, leak_check
     path = write_gpt_oss_gguf(model, tmp_path / "gpt_oss_mxfp4.gguf", mxfp4=True)
     _mxfp4_round_trip(model)
     _assert_matches(path, model, leak_check)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_routed_moe_gguf_written_like_llama_cpp_gives_transformers_tokens(kind, tmp_path, leak_check):
+    # Mixtral as a llama file: llama.cpp stores no window for it; its qwen2moe has no dense layers.
+    model = _tiny(kind, **{"mixtral": {"sliding_window": None}, "qwen2_moe": {"mlp_only_layers": []}}.get(kind, {}))
+    _assert_matches(write_routed_gguf(model, tmp_path / f"{kind}.gguf"), model, leak_check)
 
 
 def test_gguf_config_of_deepseek_v3_is_its_transformers_config(tmp_path):

@@ -19,7 +19,7 @@ import numpy as np
 
 # GGUF general.architecture -> (HF architecture, model_type)
 GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),  # llama.cpp stores Mistral as llama too
+    "llama": ("LlamaForCausalLM", "llama"),  # llama.cpp stores Mistral (and Mixtral) as llama too
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
@@ -29,6 +29,8 @@ GGUF_ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "glm4": ("Glm4ForCausalLM", "glm4"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 too: its routing tells them apart
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
@@ -58,6 +60,10 @@ _POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw
 _GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", **_POST_NORM_NAMES}
 # Expert stacks: [E, out, in] as the fused HF tensors are (the graph's names carry no `.weight`).
 _EXPERT_NAMES = {"ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj", "ffn_down_exps.weight": "mlp.experts.down_proj"}
+_ROUTED_NAMES = {"ffn_gate_inp": "mlp.gate", **_EXPERT_NAMES}  # Mixtral (as llama), Qwen-MoE
+_QWEN2MOE_LAYER_NAMES = {**_ROUTED_NAMES, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                         "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                         "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _DEEPSEEK2_LAYER_NAMES = {
     "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
@@ -74,7 +80,8 @@ _GPT_OSS_LAYER_NAMES = {
 }
 # Per architecture, the layer tensor names that differ from the Llama family's; a key with a
 # suffix (`exp_probs_b.bias`) names one tensor whose HF name is given whole.
-ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _POST_NORM_NAMES,
+ARCH_LAYER_NAMES = {"llama": _ROUTED_NAMES, "qwen2moe": _QWEN2MOE_LAYER_NAMES, "qwen3moe": _ROUTED_NAMES,
+                    "gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "olmo2": _POST_NORM_NAMES,
                     "phi3": _PHI3_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES, "deepseek2": _DEEPSEEK2_LAYER_NAMES,
                     "gpt-oss": _GPT_OSS_LAYER_NAMES}
 PERMUTED_QK = {"llama", "granite", "smollm3"}  # converted by llama.cpp's LlamaModel (or a subclass)
@@ -127,8 +134,6 @@ def _kv_b(parts: list[np.ndarray]) -> np.ndarray:
 def joined_tensors(arch: str, names: Collection[str]) -> dict[str, Joined]:
     """HF name -> `Joined` for the tensors of `arch` that the file splits."""
     out: dict[str, Joined] = {}
-    if arch not in ("deepseek2", "gpt-oss"):
-        return out
     for name in names:
         m = re.fullmatch(r"blk\.(\d+)\.ffn_gate_exps\.(weight|bias)", name)
         if m is not None:
@@ -142,6 +147,29 @@ def joined_tensors(arch: str, names: Collection[str]) -> dict[str, Joined]:
 
 
 Meta = Callable[..., Any]  # (key under `{arch}.`, default) -> the value stored
+
+
+def routed_config(arch: str, meta: Meta, tensors: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral (a `llama` file with experts), Qwen2-MoE and Qwen3-MoE: the expert counts and
+    widths, every layer sparse (llama.cpp's rule: these files hold no dense layers). The
+    top-k weights are renormalised as llama.cpp does unless `expert_weights_norm` says
+    otherwise: always for Mixtral and Qwen3-MoE, never for Qwen2-MoE."""
+    experts = meta("expert_count")
+    if not experts:
+        return {}
+    used = int(meta("expert_used_count"))
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(experts),
+                "num_experts_per_tok": used}
+    out: dict[str, Any] = {
+        "num_experts": int(experts), "num_experts_per_tok": used,
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")), "decoder_sparse_step": 1,
+        "norm_topk_prob": bool(meta("expert_weights_norm", arch == "qwen3moe")), "mlp_only_layers": [],
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(meta("expert_shared_feed_forward_length", 0))
+        out["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    return out
 
 
 def deepseek2_config(meta: Meta, tensors: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 from . import quant_gguf
 from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
 from .gguf_arch import (GEMMA, GGUF_ARCHITECTURES, PERMUTED_QK, deepseek2_config, gemma_config, gpt_oss_config,
-                        hf_name, joined_tensors, unpermute_rows)
+                        hf_name, joined_tensors, routed_config, unpermute_rows)
 from .gguf_header import GGUFHeader, GGUFVersionError
 
 # Tensors that are config, not weights: llama.cpp bakes Llama 3 rope scaling into rope_freqs.
@@ -122,7 +122,7 @@ class GGUFCheckpoint:
             "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
             "dtype": "float32",
         }
-        if self.arch != "qwen2":  # Qwen2 always has q/k/v biases; the others say so
+        if self.arch not in ("qwen2", "qwen2moe"):  # Qwen2 always has q/k/v biases; the others say so
             cfg["attention_bias"] = "blk.0.attn_q.bias" in self._gguf_tensors
         if (window := self._arch_field("attention.sliding_window")) is not None:
             cfg["sliding_window"] = int(window)
@@ -135,6 +135,8 @@ class GGUFCheckpoint:
         if self.arch == "glm4":  # rope on part of each head, as rope.dimension_count says
             rotated = self._arch_field("rope.dimension_count")
             cfg["partial_rotary_factor"] = int(rotated) / cfg["head_dim"] if rotated else 0.5
+        if self.arch in ("llama", "qwen2moe", "qwen3moe"):
+            cfg.update(routed_config(self.arch, self._arch_field, self._gguf_tensors, cfg))
         if self.arch == "deepseek2":
             try:
                 cfg.update(deepseek2_config(self._arch_field, self._gguf_tensors, cfg))
