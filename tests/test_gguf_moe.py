@@ -24,13 +24,10 @@ PROMPTS = [_rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (19, 4, 3
 
 def _tiny(kind: str, **override):
     cfg_cls, model_cls, extra = MOE_MODELS[kind]
-    model, _, _ = random_model(cfg_cls, model_cls, **(COMMON | extra | override))
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # norms near 1 and wider weights: attention far from uniform, so a wrong scale shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif p.dim() > 1:
+    model, _, _ = random_model(cfg_cls, model_cls, norms_near_one=True, **(COMMON | extra | override))
+    with torch.no_grad():  # wider weights still: the SwiGLU clamp at 7 bites
+        for p in model.parameters():
+            if p.dim() > 1:
                 p.mul_(2.5)
     if kind == "deepseek_v3":  # a selection bias that changes the choice (the buffer starts at zero)
         gen = torch.Generator().manual_seed(1)
@@ -69,12 +66,12 @@ def _close(w):
     w.close()
 
 
-def write_deepseek_gguf(model, path, legacy: bool = False, drop: str | None = None) -> str:
+def write_deepseek_gguf(model, path, legacy: bool = False, drop: tuple[str, ...] = ()) -> str:
     """DeepseekV2Model: MLA as MQA (one KV head, key_length = rank + rope) with the per-head
     `*_mla` lengths, kv_b_proj split into k_b (transposed) and v_b, experts stacked, the
     gating function as the hub configs' `scoring_func` gives it (softmax for V2, sigmoid for
     V3). `legacy`: what converters before the MLA split wrote (kv_b whole, per-head lengths).
-    `drop`: a GGUF tensor name left out (a damaged file)."""
+    `drop`: GGUF tensor names left out (a damaged file)."""
     c = model.config
     v3 = c.model_type == "deepseek_v3"
     arch = gguf.MODEL_ARCH.DEEPSEEK2
@@ -111,9 +108,9 @@ def write_deepseek_gguf(model, path, legacy: bool = False, drop: str | None = No
     if c.rope_parameters.get("mscale_all_dim"):
         w.add_rope_scaling_yarn_log_mul(0.1 * c.rope_parameters["mscale_all_dim"])
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
-    if drop is not None:
+    if drop:
         add_tensor = w.add_tensor
-        w.add_tensor = lambda n, *a, **k: None if n == drop else add_tensor(n, *a, **k)
+        w.add_tensor = lambda n, *a, **k: None if n in drop else add_tensor(n, *a, **k)
     for name, value in model.state_dict().items():
         value = value.float().numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -310,6 +307,15 @@ def test_joined_gguf_tensors_slice_like_the_whole(tmp_path):
 def test_a_gguf_missing_one_part_of_a_split_tensor_names_it(tmp_path):
     from infer.core.loader.errors import CorruptCheckpointError
 
-    path = write_deepseek_gguf(_tiny("deepseek_v3"), tmp_path / "m.gguf", drop="blk.1.ffn_up_exps.weight")
+    path = write_deepseek_gguf(_tiny("deepseek_v3"), tmp_path / "m.gguf", drop=("blk.1.ffn_up_exps.weight",))
     with pytest.raises(CorruptCheckpointError, match=r"blk\.1\.ffn_up_exps\.weight is missing"):
+        GGUFCheckpoint(Path(path))
+
+
+def test_a_sigmoid_routed_deepseek_gguf_without_selection_biases_is_refused(tmp_path):
+    from infer.core.loader.errors import LoaderError
+
+    path = write_deepseek_gguf(_tiny("deepseek_v3"), tmp_path / "m.gguf",
+                               drop=("blk.1.exp_probs_b.bias", "blk.2.exp_probs_b.bias"))
+    with pytest.raises(LoaderError, match="exp_probs_b selection biases"):
         GGUFCheckpoint(Path(path))

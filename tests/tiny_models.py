@@ -59,13 +59,18 @@ MODELS = {
 }
 
 
-def random_model(cfg_cls: str, model_cls: str, **config):
-    """(transformers model, config dict, state dict as NumPy) of a random model built from a config."""
+def random_model(cfg_cls: str, model_cls: str, norms_near_one: bool = False, **config):
+    """(transformers model, config dict, state dict as NumPy) of a random model built from a config.
+
+    ``norms_near_one``: norm weights 1 + N(0, 0.08) instead of N(0, 0.08), whose small
+    q and k leave attention near uniform, so that a wrong softmax scale or rope hides."""
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**config)
     model = getattr(transformers, model_cls)(cfg).eval()
-    for p in model.parameters():  # larger weights than the init, so errors are not hidden by tiny logits
+    for name, p in model.named_parameters():  # larger weights than the init, so errors are not hidden by tiny logits
         p.data.normal_(0, 0.08)
+        if norms_near_one and "norm" in name:
+            p.data.add_(1.0)
     config = cfg.to_dict()
     config["architectures"] = [model_cls]
     return model, config, {k: v.numpy() for k, v in model.state_dict().items()}

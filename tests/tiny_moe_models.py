@@ -78,7 +78,7 @@ def fused_layout(kind: str, state: dict) -> dict:
 def make_moe_model(kind: str):
     """(transformers model, config dict, state dict as NumPy in the fused layout) of one tiny MoE model."""
     cfg_cls, model_cls, extra = MOE_MODELS[kind]
-    model, config, state = random_model(cfg_cls, model_cls, **(COMMON | extra))
+    model, config, state = random_model(cfg_cls, model_cls, norms_near_one=True, **(COMMON | extra))
     if kind == "deepseek_v3":  # a selection bias that changes the choice (the buffer starts at zero)
         import torch
 
