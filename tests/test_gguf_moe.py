@@ -14,7 +14,7 @@ import torch
 from infer import LLM, SamplingParams
 from infer.core.loader.gguf_file import GGUFCheckpoint
 from tiny_moe_models import COMMON, MOE_MODELS
-from tiny_models import random_model
+from tiny_models import add_gguf_shape, random_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -37,15 +37,10 @@ def _tiny(kind: str, **override):
     return model
 
 
-def _writer(model, path, arch):
+def _writer(model, path, arch, head_dim: int, **shape):
     c = model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    add_gguf_shape(w, c, head_dim, **shape)
     rope = c.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "yarn":
@@ -57,6 +52,20 @@ def _writer(model, path, arch):
 
 def _add(w, names, name, value):
     w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(value))
+
+
+def _add_experts(w, names, name, value) -> bool:
+    """transformers 5's fused experts as the converter stacks them: gate_up [E, 2I, H] (gate rows,
+    then up rows) split into ffn_gate_exps and ffn_up_exps, down [E, H, I] as ffn_down_exps."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        inter = value.shape[1] // 2
+        _add(w, names, name.replace("gate_up_proj", "gate_proj.weight"), value[:, :inter])
+        _add(w, names, name.replace("gate_up_proj", "up_proj.weight"), value[:, inter:])
+    elif name.endswith("mlp.experts.down_proj"):
+        _add(w, names, name + ".weight", value)
+    else:
+        return False
+    return True
 
 
 def _close(w):
@@ -75,9 +84,14 @@ def write_deepseek_gguf(model, path, legacy: bool = False, drop: tuple[str, ...]
     c = model.config
     v3 = c.model_type == "deepseek_v3"
     arch = gguf.MODEL_ARCH.DEEPSEEK2
-    w = _writer(model, path, arch)
     heads, rank, nope, rope, v = (c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                   c.v_head_dim)
+    if legacy:
+        w = _writer(model, path, arch, nope + rope, kv_heads=heads, value_dim=v)
+    else:
+        w = _writer(model, path, arch, rank + rope, kv_heads=1, value_dim=rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
     w.add_vocab_size(c.vocab_size)
     w.add_leading_dense_block_count(c.first_k_dense_replace)
     w.add_expert_count(c.n_routed_experts)
@@ -89,16 +103,6 @@ def write_deepseek_gguf(model, path, legacy: bool = False, drop: tuple[str, ...]
     if c.q_lora_rank:
         w.add_q_lora_rank(c.q_lora_rank)
     w.add_kv_lora_rank(rank)
-    if legacy:
-        w.add_head_count_kv(heads)
-        w.add_key_length(nope + rope)
-        w.add_value_length(v)
-    else:
-        w.add_head_count_kv(1)
-        w.add_key_length(rank + rope)
-        w.add_value_length(rank)
-        w.add_key_length_mla(nope + rope)
-        w.add_value_length_mla(v)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_expert_shared_count(c.n_shared_experts)
     w.add_expert_weights_scale(c.routed_scaling_factor)
@@ -113,15 +117,9 @@ def write_deepseek_gguf(model, path, legacy: bool = False, drop: tuple[str, ...]
         w.add_tensor = lambda n, *a, **k: None if n in drop else add_tensor(n, *a, **k)
     for name, value in model.state_dict().items():
         value = value.float().numpy()
-        if name == "lm_head.weight" and c.tie_word_embeddings:
+        if (name == "lm_head.weight" and c.tie_word_embeddings) or _add_experts(w, names, name, value):
             continue
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
-            inter = value.shape[1] // 2
-            _add(w, names, name.replace("gate_up_proj", "gate_proj.weight"), value[:, :inter])
-            _add(w, names, name.replace("gate_up_proj", "up_proj.weight"), value[:, inter:])
-        elif name.endswith("mlp.experts.down_proj"):
-            _add(w, names, name + ".weight", value)
-        elif name.endswith("e_score_correction_bias"):
+        if name.endswith("e_score_correction_bias"):
             _add(w, names, name.replace("e_score_correction_bias", "e_score_correction.bias"), value)
         elif name.endswith("kv_b_proj.weight") and not legacy:
             k_b, v_b = np.split(value.reshape(heads, nope + v, rank), [nope], axis=1)
@@ -140,10 +138,7 @@ def write_gpt_oss_gguf(model, path, mxfp4: bool = False) -> str:
     hub checkpoints store them."""
     c = model.config
     arch = gguf.MODEL_ARCH.GPT_OSS
-    w = _writer(model, path, arch)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    w = _writer(model, path, arch, c.head_dim)
     w.add_expert_count(c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_sliding_window(c.sliding_window)
@@ -187,11 +182,7 @@ def write_routed_gguf(model, path) -> str:
     c = model.config
     arch = {"mixtral": gguf.MODEL_ARCH.LLAMA, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
             "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}[c.model_type]
-    w = _writer(model, path, arch)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    w = _writer(model, path, arch, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     if arch != gguf.MODEL_ARCH.LLAMA:
@@ -201,13 +192,9 @@ def write_routed_gguf(model, path) -> str:
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
     for name, value in model.state_dict().items():
         value = value.float().numpy()
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
-            inter = value.shape[1] // 2
-            _add(w, names, name.replace("gate_up_proj", "gate_proj.weight"), value[:, :inter])
-            _add(w, names, name.replace("gate_up_proj", "up_proj.weight"), value[:, inter:])
-        elif name.endswith("mlp.experts.down_proj"):
-            _add(w, names, name + ".weight", value)
-        elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if _add_experts(w, names, name, value):
+            continue
+        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             _add(w, names, name, llama_cpp_permute(value, heads))
         else:

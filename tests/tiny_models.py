@@ -121,14 +121,15 @@ def meta_for(chunks, block_size, tables):
                              int(seq_lens.max()), block_size)
 
 
-def add_gguf_shape(writer, config, head_dim: int) -> None:
-    """The size metadata every llama.cpp conversion writes (layers, widths, heads, norm eps)."""
+def add_gguf_shape(writer, config, head_dim: int, kv_heads: int | None = None, value_dim: int | None = None) -> None:
+    """The size metadata every llama.cpp conversion writes (layers, widths, heads, norm eps);
+    `kv_heads` and `value_dim` where they are not the config's KV heads and `head_dim` (MLA)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(config.num_key_value_heads if kv_heads is None else kv_heads)
     writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    writer.add_value_length(head_dim if value_dim is None else value_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
