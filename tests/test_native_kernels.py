@@ -706,3 +706,32 @@ def test_bf16_attention_dot_product_path_lets_a_nan_key_reach_its_rows_as_the_ge
     fast, generic = _fast_and_generic(q, cache, meta, None)
     assert fast[0].isnan().all() and generic[0].isnan().all()
     assert torch.isfinite(fast[1]).all() and torch.equal(fast[1].isnan(), generic[1].isnan())
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("oai", [False, True])
+def test_bf16_moe_runs_decode_sized_steps_through_the_gemv_as_the_torch_moe_routes_them(tokens, oai):
+    """Each chosen expert's projections through the bf16 GEMV (gpt-oss's biases added after):
+    the same routing and counts as the torch moe, outputs within bf16 rounding of its."""
+    from infer.backends.torch_native import fast_paths
+    from infer.backends.torch_native import moe as moe_mod
+
+    if not _bf16_served():
+        pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
+    assert BACKEND.fast_path("moe", dtype="bfloat16") is not None
+    assert BACKEND.fast_path("moe", dtype="float32") is None
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i = 8, 64, 96
+    w13, w2 = (torch.randn(e, 2 * i, h, generator=g) * 0.2).bfloat16(), (torch.randn(e, h, i, generator=g) * 0.2).bfloat16()
+    x, logits = torch.randn(tokens, h, generator=g).bfloat16(), torch.randn(tokens, e, generator=g)
+    extra = ()
+    if oai:
+        extra = (None, None, torch.randn(e, 2 * i, generator=g).bfloat16(), torch.randn(e, h, generator=g).bfloat16(),
+                 "swiglu_oai", 1.702, 7.0)
+    got, got_counts = fast_paths.moe(x, logits, w13, w2, 2, True, *extra)
+    want, want_counts = moe_mod.moe(x, logits, w13, w2, 2, True, *extra)
+    assert torch.equal(got_counts, want_counts)
+    assert (got.float() - want.float()).abs().max() <= 2**-5 * want.float().abs().max()
+    assert fast_paths.moe(torch.ones(nops.BF16_GEMV_MAX_ROWS + 1, h, dtype=torch.bfloat16),
+                          torch.zeros(nops.BF16_GEMV_MAX_ROWS + 1, e), w13, w2, 2, True) is NotImplemented
+    assert fast_paths.moe(x.float(), logits, w13.float(), w2.float(), 2, True) is NotImplemented

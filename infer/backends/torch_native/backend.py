@@ -51,6 +51,8 @@ class TorchBackend(TorchTensors):
         if primitive == "linear" and kw.get("weight_kind") not in fast_paths.QUANTIZED_LINEAR_KINDS and not (
                 kw.get("weight_kind") == "dense" and kw.get("dtype") == "bfloat16" and native.bf16_dot()):
             return None
+        if primitive == "moe" and not (kw.get("dtype") == "bfloat16" and native.bf16_dot()):
+            return None  # its fast path is the bf16 GEMV's
         return fast_paths.NATIVE.get(primitive) if self._native_kernels() else None
 
     def auto_dtype(self, stored: str | None, loaded: str) -> str:

@@ -8,9 +8,12 @@ cap ...): the torch implementation then runs. The kernels themselves are in
 
 from __future__ import annotations
 
+import torch
+
 from ...primitives.backend import FastPath
 from ...primitives.types import DenseWeight, Int8GroupWeight
 from . import fp8_kv
+from . import moe as torch_moe
 from .attention import LazyPlan
 from .native import ops as native
 from .quant_linear import Int4Prepared, native_int4_takes
@@ -66,7 +69,19 @@ def linear(x, weight):
     return NotImplemented
 
 
+def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
+        activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None,
+        routing_bias=None, expert_groups=None):
+    """Steps of up to the bf16 GEMV's rows (decode): each chosen expert's two projections through
+    it; routing, activation and combine as the torch moe's."""
+    if x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= native.BF16_GEMV_MAX_ROWS:
+        return NotImplemented
+    return torch_moe.routed_moe(native.bf16_gemv, x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate,
+                                w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, routed_scaling_factor,
+                                scoring_func, routing_bias, expert_groups)
+
+
 NATIVE = {name: FastPath("native", fn) for name, fn in
           (("rms_norm", rms_norm), ("rotary", rotary), ("act_and_mul", act_and_mul), ("kv_write", kv_write),
-           ("attention", attention), ("linear", linear))}
+           ("attention", attention), ("linear", linear), ("moe", moe))}
 QUANTIZED_LINEAR_KINDS = ("int4_group", "int8_group")

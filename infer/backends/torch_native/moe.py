@@ -13,6 +13,10 @@ gathered once in that order. Two ways to run the experts over them:
   per-expert GEMMs lose to one big batched one, and on a busy CPU every
   parallel op can stall on a descheduled thread.
 
+A step of at most a GEMV's rows in bfloat16 (decode) runs grouped with each
+projection through the native bf16 GEMV instead (`fast_paths.moe`): torch's
+bf16 GEMM streams a weight several times slower at a few rows.
+
 The combine un-sorts the rows and takes each token's gate-weighted sum of its
 top_k rows as one batched product (no scatter-add, so the result does not
 depend on thread timing).
@@ -78,8 +82,16 @@ class ExpertForm:
 _SWIGLU = ExpertForm()
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gemv) -> torch.Tensor:
+    """x @ w.T (+ b) through `gemv(x, w)` where it gives a result, else torch's; the bias added after."""
+    y = None if gemv is None else gemv(x, w)
+    if y is None:
+        return F.linear(x, w, b)
+    return y if b is None else y + b
+
+
 def _experts(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
-             form: ExpertForm = _SWIGLU) -> torch.Tensor:
+             form: ExpertForm = _SWIGLU, gemv=None) -> torch.Tensor:
     """Each expert's gated MLP over its slice of the expert-sorted rows, in x's dtype."""
     y = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)
     b13, b2 = form.w13_bias, form.w2_bias
@@ -88,11 +100,11 @@ def _experts(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: t
         if n == 0:
             continue
         rows = slice(start, start + n)
-        h = form.act(F.linear(x_sorted[rows], w13[e], None if b13 is None else b13[e].to(x_sorted.dtype)))
-        if b2 is None:
+        h = form.act(_linear(x_sorted[rows], w13[e], None if b13 is None else b13[e].to(x_sorted.dtype), gemv))
+        if b2 is None and gemv is None:
             torch.mm(h, w2[e].t(), out=y[rows])
         else:
-            y[rows] = F.linear(h, w2[e], b2[e].to(h.dtype))
+            y[rows] = _linear(h, w2[e], None if b2 is None else b2[e].to(h.dtype), gemv)
         start += n
     return y
 
@@ -134,6 +146,16 @@ def moe(
     routing_bias: torch.Tensor | None = None,
     expert_groups: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return routed_moe(None, x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias, w2_bias,
+                      activation, swiglu_alpha, swiglu_limit, routed_scaling_factor, scoring_func, routing_bias,
+                      expert_groups)
+
+
+def routed_moe(gemv, x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None,
+               w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None,
+               scoring_func=None, routing_bias=None, expert_groups=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe` with each expert's projections through `gemv(x, w)` (None: torch's GEMMs, and the
+    padded form where it applies)."""
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     ids, weights = route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func, routing_bias,
@@ -147,10 +169,10 @@ def moe(
     form = _SWIGLU
     if w13_bias is not None or w2_bias is not None or activation not in (None, "silu"):
         form = ExpertForm(w13_bias, w2_bias, activation, float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0))
-    if min(counts) > 0 and max(counts) * num_experts <= 2 * len(flat_ids):
+    if gemv is None and min(counts) > 0 and max(counts) * num_experts <= 2 * len(flat_ids):
         y_sorted = _experts_padded(x_sorted, flat_ids[order], tokens_per_expert, max(counts), w13, w2, form)
     else:
-        y_sorted = _experts(x_sorted, counts, w13, w2, form)
+        y_sorted = _experts(x_sorted, counts, w13, w2, form, gemv)
     # Row j of the sorted buffer is (token, choice) pair order[j]: put it back.
     y = torch.empty_like(y_sorted)
     y.index_copy_(0, order, y_sorted)
