@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,6 @@ from infer.core.loader.gguf_file import GGUFCheckpoint
 from tiny_moe_models import COMMON, MOE_MODELS
 from tiny_models import add_gguf_shape, random_model
 
-gguf = pytest.importorskip("gguf")
 
 _rng = np.random.default_rng(5)
 PROMPTS = [_rng.integers(3, COMMON["vocab_size"], n).tolist() for n in (19, 4, 33)]

@@ -207,8 +207,9 @@ def deepseek2_config(meta: Meta, tensors: Collection[str], cfg: dict[str, Any]) 
     if (scaling := cfg.get("rope_scaling")) and scaling.get("rope_type") == "yarn":
         log_mul = meta("rope.scaling.yarn_log_multiplier")
         mscale = float(log_mul) / 0.1 if log_mul else 0.0
-        scaling.update(mscale=mscale, mscale_all_dim=mscale, beta_fast=float(meta("rope.scaling.yarn_beta_fast", 32.0)),
-                       beta_slow=float(meta("rope.scaling.yarn_beta_slow", 1.0)))
+        out["rope_scaling"] = {**scaling, "mscale": mscale, "mscale_all_dim": mscale,
+                               "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0))}
     return out
 
 
@@ -224,8 +225,8 @@ def gpt_oss_config(meta: Meta, cfg: dict[str, Any]) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
     }
     if (scaling := cfg.get("rope_scaling")) and scaling.get("rope_type") == "yarn":
-        scaling.update(beta_fast=float(meta("rope.scaling.yarn_beta_fast", 32.0)),
-                       beta_slow=float(meta("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+        out["rope_scaling"] = {**scaling, "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
     return out
 
 
