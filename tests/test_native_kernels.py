@@ -250,6 +250,31 @@ def test_soft_capped_attention_in_the_kernel_matches_the_torch_ops(torch_ops, ba
     assert (with_cap.float() - without.float()).abs().max() > 20 * tol  # the cap changed the result
 
 
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 64)])
+def test_attention_with_sinks_in_the_kernel_matches_the_torch_ops(torch_ops, batch, window, dtype, d):
+    """gpt-oss's sinks (a logit per query head in each softmax's denominator) in the kernel's
+    merge, after the generic loop and (bf16, head size 64) the dot-product path, against the
+    torch ops' explicit attention; sinks as the checkpoint stores them (the model's dtype)."""
+    q_lens, seq_lens = BATCHES[batch]
+    q, cache, meta, _ = paged_batch(q_lens, seq_lens, 2, d, 16, dtype=dtype)
+    meta = OPS.prepare_metadata(meta)
+    hq = q.shape[1]
+    # around the scores' own size, one far above them (its heads' outputs shrink to near zero)
+    sinks = torch.linspace(-1.0, 2.0, hq).to(dtype)
+    sinks[-1] = 30.0
+    got = OPS.attention(q, cache, meta, 0.25, window, sinks=sinks)
+    served = nops.attention(q, cache, meta, 0.25, window, work=1, sinks=sinks.float())
+    assert served is not None and torch.equal(served, got)  # the kernel served it
+    want = torch_ops(BACKEND.attention, q, cache, meta, 0.25, window, sinks=sinks)
+    without = OPS.attention(q, cache, meta, 0.25, window)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert (got.float() - without.float()).abs().max() > 20 * tol  # the sinks changed the result
+    assert got[:, -1].float().abs().max() < 1e-6 * max(1.0, without[:, -1].float().abs().max())
+
+
 def _status_in_subprocess(env: dict) -> str:
     code = "from infer.backends.torch_native import native; print(native.status())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
@@ -708,11 +733,17 @@ def test_bf16_attention_dot_product_path_lets_a_nan_key_reach_its_rows_as_the_ge
     assert torch.isfinite(fast[1]).all() and torch.equal(fast[1].isnan(), generic[1].isnan())
 
 
+# What the MoE architectures hand the primitive: Mixtral / Qwen3-MoE (renormalised softmax top-k),
+# Qwen2-MoE (as the softmax gives them, a gated shared expert), gpt-oss (expert biases, clamped
+# SwiGLU), DeepSeek V3 (sigmoid scores, selection bias, groups, scaled: routed by torch first).
+MOE_FORMS = ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"]
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-@pytest.mark.parametrize("oai", [False, True])
-def test_bf16_moe_runs_decode_sized_steps_through_the_gemv_as_the_torch_moe_routes_them(tokens, oai):
-    """Each chosen expert's projections through the bf16 GEMV (gpt-oss's biases added after):
-    the same routing and counts as the torch moe, outputs within bf16 rounding of its."""
+@pytest.mark.parametrize("form", MOE_FORMS)
+def test_bf16_moe_runs_decode_sized_steps_in_one_native_call_as_the_torch_moe_routes_them(tokens, form):
+    """The whole primitive in the kernel (routing too, except DeepSeek's): the same routing
+    and counts as the torch moe, outputs within bf16 rounding of its."""
     from infer.backends.torch_native import fast_paths
     from infer.backends.torch_native import moe as moe_mod
 
@@ -723,15 +754,49 @@ def test_bf16_moe_runs_decode_sized_steps_through_the_gemv_as_the_torch_moe_rout
     g = torch.Generator().manual_seed(tokens)
     e, h, i = 8, 64, 96
     w13, w2 = (torch.randn(e, 2 * i, h, generator=g) * 0.2).bfloat16(), (torch.randn(e, h, i, generator=g) * 0.2).bfloat16()
-    x, logits = torch.randn(tokens, h, generator=g).bfloat16(), torch.randn(tokens, e, generator=g)
-    extra = ()
-    if oai:
-        extra = (None, None, torch.randn(e, 2 * i, generator=g).bfloat16(), torch.randn(e, h, generator=g).bfloat16(),
-                 "swiglu_oai", 1.702, 7.0)
-    got, got_counts = fast_paths.moe(x, logits, w13, w2, 2, True, *extra)
-    want, want_counts = moe_mod.moe(x, logits, w13, w2, 2, True, *extra)
+    x, logits = torch.randn(tokens, h, generator=g).bfloat16(), torch.randn(tokens, e, generator=g).bfloat16()
+    args = dict(x=x, router_logits=logits, w13=w13, w2=w2, top_k=2, renormalize=form != "qwen2_moe")
+    if form == "qwen2_moe":
+        args.update(shared=torch.randn(tokens, h, generator=g).bfloat16(),
+                    shared_gate=torch.randn(tokens, 1, generator=g).bfloat16())
+    if form == "gpt_oss":
+        args.update(w13_bias=torch.randn(e, 2 * i, generator=g).bfloat16(),
+                    w2_bias=torch.randn(e, h, generator=g).bfloat16(), activation="swiglu_oai", swiglu_alpha=1.702,
+                    swiglu_limit=0.8)
+    if form == "deepseek_v3":
+        args.update(shared=torch.randn(tokens, h, generator=g).bfloat16(), routed_scaling_factor=2.5,
+                    scoring_func="sigmoid", routing_bias=torch.randn(e, generator=g) * 0.2, expert_groups=(4, 2, "top2"))
+    calls = []
+    real = nops.moe_bf16
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        calls.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(nops, "moe_bf16", counted)
+        got, got_counts = fast_paths.moe(**args)
+    want, want_counts = moe_mod.moe(**args)
+    assert calls == [True]  # served by the one call
     assert torch.equal(got_counts, want_counts)
     assert (got.float() - want.float()).abs().max() <= 2**-5 * want.float().abs().max()
+    # where the one call declines, the GEMV-per-expert path gives the same within rounding
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(nops, "moe_bf16", lambda *a, **k: None)
+        per_expert, per_expert_counts = fast_paths.moe(**args)
+    assert torch.equal(per_expert_counts, want_counts)
+    assert (per_expert.float() - want.float()).abs().max() <= 2**-5 * want.float().abs().max()
     assert fast_paths.moe(torch.ones(nops.BF16_GEMV_MAX_ROWS + 1, h, dtype=torch.bfloat16),
                           torch.zeros(nops.BF16_GEMV_MAX_ROWS + 1, e), w13, w2, 2, True) is NotImplemented
     assert fast_paths.moe(x.float(), logits, w13.float(), w2.float(), 2, True) is NotImplemented
+
+
+def test_bf16_moe_kernel_refuses_an_expert_id_out_of_range():
+    if not _bf16_served():
+        pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
+    w13, w2 = torch.zeros(4, 16, 8, dtype=torch.bfloat16), torch.zeros(4, 8, 8, dtype=torch.bfloat16)
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    routed = (torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2))
+    with pytest.raises(IndexError, match="expert id"):
+        nops.moe_bf16(x, None, w13, w2, 2, True, routed=routed)

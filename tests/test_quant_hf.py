@@ -256,12 +256,16 @@ def test_auto_keeps_int4_weights_in_float32_only_with_an_exact_kernel(tmp_path, 
 
 
 @pytest.mark.parametrize("method,dtype,seqs", [("awq", "float32", 2), ("awq", "bfloat16", 1), ("awq", "bfloat16", 2),
-                                               ("dense", "bfloat16", 1), ("dense", "bfloat16", 2)])
+                                               ("dense", "bfloat16", 1), ("dense", "bfloat16", 2),
+                                               ("glm4", "bfloat16", 2), ("smollm3", "bfloat16", 2),
+                                               ("gpt_oss", "bfloat16", 2)])
 def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatch, method, dtype, seqs):
     """The torch backend's native attention block and MLP (int4 weights, or dense bf16 ones
     on a CPU with AVX512-BF16; decode-sized steps) run the kernels the nodes' primitives
     run, in the same order: the same tokens and the same log-probabilities, bit for bit, as
-    with the nodes expanded."""
+    with the nodes expanded. Dense bf16 models beyond Llama: GLM-4 (q/k/v biases, half the
+    dims rotated), SmolLM3 (every second layer without rope), gpt-oss (attention sinks, q/k/v
+    and o biases, a windowed layer; its MoE feed-forward is not a fused node)."""
     from collections import Counter
 
     from infer import LLM, SamplingParams
@@ -270,10 +274,14 @@ def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatc
 
     if native.library() is None:
         pytest.skip(f"native kernels: {native.status()}")
-    if method == "dense" and not native.bf16_dot():
+    if method != "awq" and not native.bf16_dot():
         pytest.skip("no AVX512-BF16: dense bf16 layers run their primitives")
-    if method == "dense":
-        make_model("llama3")[0].save_pretrained(tmp_path)
+    if method == "gpt_oss":
+        from tiny_moe_models import save_moe_model
+
+        save_moe_model(method, tmp_path)
+    elif method != "awq":
+        make_model("llama3" if method == "dense" else method)[0].save_pretrained(tmp_path)
     else:
         write_checkpoint(tmp_path, method)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42] * 9}]
@@ -284,13 +292,21 @@ def test_fused_decode_nodes_give_what_their_primitives_give(tmp_path, monkeypatc
         out = llm.generate(prompts, params, use_tqdm=False)
         return llm, [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in out]
 
-    served = Counter()
+    served = Counter()  # the calls the kernels served (None: declined, the primitives ran)
+
+    def counted(*a, _real, _name):
+        out = _real(*a)
+        served.update([_name] if out is not None else [])
+        return out
+
     for name in ("attention_block", "mlp"):  # fused.native: the kernels' Python side
         real = getattr(fused.native, name)
-        monkeypatch.setattr(fused.native, name, lambda *a, _real=real, _name=name: served.update([_name]) or _real(*a))
+        monkeypatch.setattr(fused.native, name, lambda *a, _real=real, _name=name: counted(*a, _real=_real, _name=_name))
     llm, got = generate()
-    assert {c.primitive for c in llm.engine.worker.runner.program.calls} >= {"fused_attention", "fused_mlp"}
-    assert served["attention_block"] >= 2 * 7 and served["mlp"] >= 2 * 7, served  # 2 layers, 7+ decode steps
+    fused_nodes = {"fused_attention"} | (set() if method == "gpt_oss" else {"fused_mlp"})
+    assert {c.primitive for c in llm.engine.worker.runner.program.calls} >= fused_nodes
+    assert served["attention_block"] >= 2 * 7, served  # 2 layers, 7+ decode steps
+    assert method == "gpt_oss" or served["mlp"] >= 2 * 7, served
     monkeypatch.setattr(TorchBackend, "fuses", lambda self, op, **attrs: Support(False, "off for this test"))
     llm, want = generate()
     assert not any(c.primitive.startswith("fused_") for c in llm.engine.worker.runner.program.calls)

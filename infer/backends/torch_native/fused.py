@@ -4,10 +4,11 @@ A decode step of SmolLM2 runs ~15 primitives and views per layer, each a
 Python call of a few microseconds around a kernel of a few more; for int4
 weights (the GGUF/AWQ/GPTQ kinds kept quantized), and for dense bf16 weights
 with bf16 activations on a CPU with AVX512-BF16, the native library runs the
-attention block (qkv GEMV, q/k norms, rotary, kv_write, attention, o GEMV) and the MLP
+attention block (qkv GEMV and bias, q/k norms, rotary (or none), kv_write, attention with its
+sinks, o GEMV and bias) and the MLP
 (gate_up GEMV, SiLU- or GELU-tanh-and-mul, down GEMV) whole, through the same kernels and
 roundings as the primitives. Anything else (prefill-sized batches, other weight
-kinds, fp8 caches, layers without rope, attention sinks) is declined step by step, and the
+kinds, fp8 caches, MLP biases) is declined step by step, and the
 runner runs the node's primitives instead.
 """
 
@@ -20,13 +21,19 @@ from .native import ops as native
 from .quant_linear import Int4Prepared, native_int4_takes
 
 
-def _gemv(handle):
-    """The native GEMV's view of an int4 or dense bf16 weight without bias, or None."""
-    if isinstance(handle, Int4GroupWeight) and handle.bias is None and isinstance(handle.prepared, Int4Prepared):
+def _gemv(handle, bias: bool = False):
+    """The native GEMV's view of an int4 or dense bf16 weight (without bias unless `bias`), or None."""
+    if handle is None or (handle.bias is not None and not bias):
+        return None
+    if isinstance(handle, Int4GroupWeight) and isinstance(handle.prepared, Int4Prepared):
         return handle.prepared.native
-    if isinstance(handle, DenseWeight) and handle.bias is None:
+    if isinstance(handle, DenseWeight):
         return native.dense_prepare(handle.weight)
     return None
+
+
+def _bias(handle, dtype):
+    return None if handle.bias is None else handle.bias.to(dtype).contiguous()
 
 
 def _takes(x, packed, *weights) -> bool:
@@ -57,16 +64,19 @@ def attention(x, positions, *, params, attrs, ctx: LayerContext, meta: Attention
         return NotImplemented
 
     def build():
-        qkv, o = _gemv(params.get("qkv_proj")), _gemv(params.get("o_proj"))
-        if qkv is None or o is None or not attrs["rotary_dim"] or ctx.kv_cache_dtype == "fp8" or "sinks" in params:
+        qkv, o = _gemv(params.get("qkv_proj"), bias=True), _gemv(params.get("o_proj"), bias=True)
+        if qkv is None or o is None or ctx.kv_cache_dtype == "fp8":
             return None
         heads = (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"])
         norms = None
         if "q_norm" in params:
             norms = (params["q_norm"], params["k_norm"], attrs.get("qk_norm") == "whole", attrs["eps"])
-        return native.attention_block_layer(qkv, o, ctx.cos_sin_cache(attrs["rotary_dim"]), attrs["neox_style"],
-                                            ctx.kv_cache, heads, attrs["scale"], attrs["sliding_window"],
-                                            attrs["soft_cap"], norms)
+        dtype = ctx.kv_cache.dtype
+        biases = (_bias(params["qkv_proj"], dtype), _bias(params["o_proj"], dtype))
+        sinks = params["sinks"].float().contiguous() if "sinks" in params else None
+        cos_sin = ctx.cos_sin_cache(attrs["rotary_dim"]) if attrs["rotary_dim"] else None
+        return native.attention_block_layer(qkv, o, cos_sin, attrs["neox_style"], ctx.kv_cache, heads, attrs["scale"],
+                                            attrs["sliding_window"], attrs["soft_cap"], norms, biases, sinks)
 
     packed = _layer_memo(params, build, ctx.kv_cache)
     if packed is False or not _takes(x, packed, params["qkv_proj"], params["o_proj"]):

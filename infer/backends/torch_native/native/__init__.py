@@ -50,9 +50,10 @@ _SIGNATURES = {
     "infer_rotary": (_P, _I, _I, _I, _P, _I, _I, _I, _P, _P, _I, _I, ctypes.c_int, _P, _I, _I),
     "infer_silu_and_mul": (_P, _I, _P, _I, _I),
     "infer_gelu_tanh_and_mul": (_P, _I, _P, _I, _I),
-    "infer_attention": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F, _F, _I),
+    "infer_attention": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F, _F, _P,
+                        _I),
     "infer_attention_fp8": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _I, _P, _I, _I, _P, _P, _I, _F, _I, _P, _F, _F, _F,
-                            _I),
+                            _P, _I),
     "infer_kv_write_fp8": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _F),
     "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
     "infer_int4_gemm": (_P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
@@ -147,6 +148,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
     lib.infer_bf16_dot.argtypes, lib.infer_bf16_dot.restype = (), ctypes.c_int
     lib.infer_bf16_gemv.argtypes, lib.infer_bf16_gemv.restype = (_P, _I, _I, _I, _P, _P, _I, _I), ctypes.c_int
+    lib.infer_moe_bf16.argtypes = (_P, _I, _I, _I, _I, _I, _P, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _F, _F, _P, _P,
+                                   _P, _P, _I)
+    lib.infer_moe_bf16.restype = ctypes.c_int
     lib.infer_attention_bf16_fast.argtypes, lib.infer_attention_bf16_fast.restype = (ctypes.c_int,), ctypes.c_int
     lib.infer_openmp.argtypes, lib.infer_openmp.restype = (), ctypes.c_int
     threads = "torch's OpenMP threads" if lib.infer_openmp() else "own thread pool"

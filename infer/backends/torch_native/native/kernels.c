@@ -503,6 +503,7 @@ typedef struct {
     const int64_t *unit_key;  /* [units] its first key (from the row's first visible key) */
     float scale, k_scale, v_scale;
     float softcap;            /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    const float *sinks;       /* [hq] or NULL: a logit per query head in each softmax's denominator (gpt-oss) */
     float *partial;           /* [units][group][d + 2]: max, sum of exp, then P @ V */
     _Atomic int failed;
 } att_job;
@@ -593,7 +594,7 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
                                const int32_t *block_table, int64_t bt_stride, int64_t bt_width,              \
                                const int32_t *qsl, const int32_t *seq_lens, int64_t nseq, float scale,       \
                                int64_t window, T *out, float k_scale, float v_scale, float softcap,         \
-                               int64_t threads) {                                                           \
+                               const float *sinks, int64_t threads) {                                       \
         int64_t group = hq / hk, kv_row = hk * d;                                                           \
         for (int64_t b = 0; b < nseq; b++) {                                                                \
             int64_t lo = qsl[b], hi = qsl[b + 1], len = seq_lens[b];                                        \
@@ -614,7 +615,7 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
             for (int64_t r = qsl[b]; r < qsl[b + 1]; r++) row_req[r] = b;                                   \
         att_job job = {q, q_ts, q_hs, hq, hk, d, group, bs, kv_row, window, cache, cache + nblocks * bs * kv_row, \
                        block_table, bt_stride, qsl, seq_lens, row_req, NULL, NULL, scale, k_scale, v_scale,  \
-                       softcap, NULL, 0};                                                                   \
+                       softcap, sinks, NULL, 0};                                                            \
         int64_t units = 0;                                                                                  \
         for (int64_t r = 0; r < ntok; r++) {                                                                \
             if (row_req[r] < 0) continue;                                                                   \
@@ -659,9 +660,13 @@ static inline float dot_fma(const float *a, const float *b, int64_t n) {
                     float mv = partial[(v * group + hh) * (d + 2)];                                         \
                     m = mv > m ? mv : m;                                                                    \
                 }                                                                                           \
+                /* a sink joins the denominator only: one more term of the sum, none of P @ V */             \
+                float sink = sinks ? sinks[g * group + hh] : -INFINITY;                                     \
+                m = sink > m ? sink : m;                                                                    \
                 float *acc = partial + (first * group + hh) * (d + 2) + 2;                                  \
                 float w0 = exp_f32(partial[(first * group + hh) * (d + 2)] - m);                            \
                 sum = partial[(first * group + hh) * (d + 2) + 1] * w0;                                     \
+                if (sinks) sum += exp_f32(sink - m);                                                        \
                 for (int64_t e = 0; e < d; e++) acc[e] *= w0;                                               \
                 for (int64_t v = first + 1; v <= last; v++) {                                               \
                     const float *pv = partial + (v * group + hh) * (d + 2);                                 \
@@ -1658,6 +1663,125 @@ int infer_bf16_gemv(const uint16_t *x, int64_t xs, int64_t rows, int64_t k, cons
 #endif
 }
 
+/* y[t, :] += b (a linear's bias, added after its product in y's type, as torch's y + b) */
+static void add_bias_f32(float *y, int64_t rows, int64_t n, const float *b) {
+    for (int64_t t = 0; b && t < rows; t++)
+        for (int64_t i = 0; i < n; i++) y[t * n + i] += b[i];
+}
+
+static void add_bias_bf16(uint16_t *y, int64_t rows, int64_t n, const uint16_t *b) {
+    for (int64_t t = 0; b && t < rows; t++)
+        for (int64_t i = 0; i < n; i++) y[t * n + i] = bf16_store(bf16_load(y[t * n + i]) + bf16_load(b[i]));
+}
+
+/* ---- a decode step's routed experts, one call (bf16, AVX512-BF16) ---------------------
+ * What `torch_native.moe.routed_moe` does with the bf16 GEMV, minus ~25 torch ops a layer:
+ *   routing (route != 0; else ids/weights come in, routed by torch): softmax of the router
+ *     logits, the top_k experts by logit (lowest id first on ties, as the stable sort of
+ *     the probabilities), weights renormalised to sum to 1 (renorm) and scaled;
+ *   each expert's rows: gate_up = x @ W13[e] (+ b13[e]) -> act -> y = . @ W2[e] (+ b2[e]),
+ *     bf16 after each step as the torch ops round them; act 0: SwiGLU (silu(g) * u),
+ *     1: gpt-oss's clamped form ((clamp(u) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit));
+ *   out[t] = sum_j weight[t, j] * y[t, j] in float32 (j in choice order), plus the shared
+ *     expert's output (times sigmoid(shared_gate[t]) when given), rounded once to bf16.
+ * counts[E] receives the tokens each expert got. */
+int infer_moe_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t inter, int64_t nexp, int64_t top_k,
+                   const float *logits, int64_t route, int64_t renorm, float scaling, int64_t *ids, float *weights,
+                   const uint16_t *w13, const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t act,
+                   float alpha, float limit, const uint16_t *shared, const float *shared_gate, uint16_t *out,
+                   int64_t *counts, int64_t threads) {
+#if BF16_DOT
+    if (top_k < 1 || top_k > nexp) return -1;
+    int64_t pairs = rows * top_k;
+    for (int64_t t = 0; route && t < rows; t++) {
+        const float *l = logits + t * nexp;
+        int64_t *id = ids + t * top_k;
+        float m = -INFINITY, sum = 0.0f, kept = 0.0f;
+        for (int64_t e = 0; e < nexp; e++) m = l[e] > m ? l[e] : m;
+        for (int64_t e = 0; e < nexp; e++) sum += exp_f32(l[e] - m);
+        for (int64_t j = 0; j < top_k; j++) { /* selection: k passes over E (both small) */
+            int64_t best = -1;
+            for (int64_t e = 0; e < nexp; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[j] = best;
+            weights[t * top_k + j] = exp_f32(l[best] - m) / sum;
+            kept += weights[t * top_k + j];
+        }
+        for (int64_t j = 0; j < top_k; j++) {
+            float w = weights[t * top_k + j];
+            weights[t * top_k + j] = (renorm ? w / kept : w) * scaling;
+        }
+    }
+    for (int64_t e = 0; e < nexp; e++) counts[e] = 0;
+    for (int64_t p = 0; p < pairs; p++) {
+        if (ids[p] < 0 || ids[p] >= nexp) return -1;
+        counts[ids[p]]++;
+    }
+    int64_t most = 0;
+    for (int64_t e = 0; e < nexp; e++) most = counts[e] > most ? counts[e] : most;
+    /* scratch: one expert's rows of x, gate_up, act; every pair's y */
+    uint16_t *xs = (uint16_t *)malloc(sizeof(uint16_t) * (most * (hidden + 3 * inter) + pairs * hidden + 1));
+    int64_t *pair_of = (int64_t *)malloc(sizeof(int64_t) * (most + 1));
+    if (!xs || !pair_of) {
+        free(xs), free(pair_of);
+        return -2;
+    }
+    uint16_t *gu = xs + most * hidden, *a = gu + most * 2 * inter, *y = a + most * inter;
+    int rc = 0;
+    for (int64_t e = 0; rc == 0 && e < nexp; e++) {
+        if (!counts[e]) continue;
+        int64_t n = 0;
+        for (int64_t p = 0; p < pairs; p++)
+            if (ids[p] == e) {
+                pair_of[n] = p;
+                memcpy(xs + n * hidden, x + (p / top_k) * hidden, sizeof(uint16_t) * hidden);
+                n++;
+            }
+        rc = infer_bf16_gemv(xs, hidden, n, hidden, w13 + e * 2 * inter * hidden, gu, 2 * inter, threads);
+        if (rc) break;
+        if (b13) add_bias_bf16(gu, n, 2 * inter, b13 + e * 2 * inter);
+        if (act == 0) {
+            rc = infer_silu_and_mul_bf16(gu, 2 * inter, a, n, inter);
+        } else {
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t i = 0; i < inter; i++) {
+                    float g = bf16_load(gu[r * 2 * inter + i]), u = bf16_load(gu[r * 2 * inter + inter + i]);
+                    g = g < limit ? g : limit;
+                    u = u < -limit ? -limit : u > limit ? limit : u;
+                    a[r * inter + i] = bf16_store((u + 1.0f) * (g / (1.0f + exp_f32(-g * alpha))));
+                }
+        }
+        if (rc) break;
+        /* one GEMV over the expert's rows, then each row to its pair's place */
+        uint16_t *ye = xs; /* x rows are no longer needed: the down projection's output goes there */
+        rc = infer_bf16_gemv(a, inter, n, inter, w2 + e * hidden * inter, ye, hidden, threads);
+        if (rc) break;
+        if (b2) add_bias_bf16(ye, n, hidden, b2 + e * hidden);
+        for (int64_t r = 0; r < n; r++) memcpy(y + pair_of[r] * hidden, ye + r * hidden, sizeof(uint16_t) * hidden);
+    }
+    for (int64_t t = 0; rc == 0 && t < rows; t++) {
+        float g = shared_gate ? 1.0f / (1.0f + exp_f32(-shared_gate[t])) : 1.0f;
+        for (int64_t i = 0; i < hidden; i++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < top_k; j++)
+                acc += weights[t * top_k + j] * bf16_load(y[(t * top_k + j) * hidden + i]);
+            if (shared) acc += g * bf16_load(shared[t * hidden + i]);
+            out[t * hidden + i] = bf16_store(acc);
+        }
+    }
+    free(xs), free(pair_of);
+    return rc;
+#else
+    (void)x, (void)rows, (void)hidden, (void)inter, (void)nexp, (void)top_k, (void)logits, (void)route, (void)renorm;
+    (void)scaling, (void)ids, (void)weights, (void)w13, (void)w2, (void)b13, (void)b2, (void)act, (void)alpha;
+    (void)limit, (void)shared, (void)shared_gate, (void)out, (void)counts, (void)threads;
+    return -3;
+#endif
+}
+
 /* A fused layer's projection: an int4 weight (as infer_int4_gemm), or with bf16 activations
  * a dense bf16 [n, k] weight, passed as `q` with no scales (s NULL). */
 static int layer_gemm_f32(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16, const float *x,
@@ -1691,13 +1815,14 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
                                     const int64_t *slots, const int32_t *block_table, int64_t bt_stride,     \
                                     int64_t bt_width, const int32_t *qsl, const int32_t *seq_lens,           \
                                     int64_t nseq, float scale, int64_t window, float softcap,                \
-                                    const T *qn, const T *kn, int64_t qk_whole, float eps, T *out,           \
-                                    int64_t threads) {                                                        \
+                                    const T *qn, const T *kn, int64_t qk_whole, float eps, const T *bq,      \
+                                    const T *bo, const float *sinks, T *out, int64_t threads) {               \
         int64_t nqkv = (hq + 2 * hk) * d, nqk = (hq + hk) * d;                                              \
         T *qkv = (T *)malloc(sizeof(T) * rows * (nqkv + nqk + hq * d));                                     \
         if (!qkv) return -2;                                                                                \
         T *rotated = qkv + rows * nqkv, *att = rotated + rows * nqk;                                        \
         int rc = layer_gemm_##SUF(wq, sq, oq, gq, fq, x, hidden, rows, hidden, qkv, nqkv, threads);     \
+        if (rc == 0) add_bias_##SUF(qkv, rows, nqkv, bq);                                                   \
         /* q/k norms (Qwen3, Gemma 3: each head over d; OLMo 2: all heads at once), in place */             \
         for (int64_t t = 0; rc == 0 && qn && t < rows; t++) {                                               \
             T *qr = qkv + t * nqkv, *kr = qr + hq * d;                                                      \
@@ -1719,8 +1844,9 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
         if (rc == 0)                                                                                        \
             rc = infer_attention_##SUF(rotated, nqk, d, rows, hq, cache, nblocks, bs, hk, d, block_table,   \
                                        bt_stride, bt_width, qsl, seq_lens, nseq, scale, window, att, 1.0f,   \
-                                       1.0f, softcap, threads);                                             \
+                                       1.0f, softcap, sinks, threads);                                      \
         if (rc == 0) rc = layer_gemm_##SUF(wo, so, oo, go, fo, att, hq * d, rows, hq * d, out, hidden, threads); \
+        if (rc == 0) add_bias_##SUF(out, rows, hidden, bo);                                                 \
         free(qkv);                                                                                          \
         return rc;                                                                                          \
     }                                                                                                       \
@@ -1746,7 +1872,8 @@ DEF_FUSED(bf16, uint16_t)
 /* The same two with their arguments packed (one ctypes argument instead of ~30: ~3 us a call):
  *   layer[] = {wq, sq, oq, gq, fq, wo, so, oo, go, fo, cos_sin, npos, rot, neox, cache, nblocks, bs,
  *              hq, hk, d, hidden, window, softcap (float32 bits; 0: none), q_norm, k_norm (NULL: none),
- *              qk_whole, eps (float32 bits)}   (fixed for a layer)
+ *              qk_whole, eps (float32 bits), qkv bias, o bias (NULL: none), sinks (float32 [hq]; NULL:
+ *              none)}   (fixed for a layer; rot 0 with cos_sin NULL: no rotary, q and k as projected)
  *   step[]  = {slots, block_table, bt_stride, bt_width, qsl, seq_lens, nseq}   (fixed for a step)
  *   mlp[]   = {wg, sg, og, gg, fg, wd, sd, od, gd, fd, hidden, inter, gelu (0: SiLU, 1: GELU tanh)}
  * Pointers travel as int64. */
@@ -1763,7 +1890,8 @@ DEF_FUSED(bf16, uint16_t)
                                            (const int32_t *)(intptr_t)m[1], m[2], m[3],                     \
                                            (const int32_t *)(intptr_t)m[4], (const int32_t *)(intptr_t)m[5], \
                                            m[6], scale, a[21], *(const float *)&a[22], P(23, const T *),    \
-                                           P(24, const T *), a[25], *(const float *)&a[26], out, threads);  \
+                                           P(24, const T *), a[25], *(const float *)&a[26], P(27, const T *), \
+                                           P(28, const T *), P(29, const float *), out, threads);           \
     }                                                                                                       \
     int infer_mlp_packed_##SUF(const T *x, int64_t rows, const int64_t *a, T *out, int64_t threads) {        \
         return infer_mlp_##SUF(x, rows, a[10], a[11], P(0, const uint8_t *), P(1, const void *),             \

@@ -198,12 +198,17 @@ def _attention_fits(work: int, request_keys: int, bf16_path: bool) -> bool:
                                           and work <= BF16_ATTENTION_MAX_WORK)
 
 
+def _sinks_ok(sinks: torch.Tensor, hq: int) -> bool:
+    return sinks.dtype == torch.float32 and sinks.is_cpu and sinks.is_contiguous() and tuple(sinks.shape) == (hq,)
+
+
 def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, sliding_window: int | None,
               work: int, kv_scales: tuple[float, float] | None = None, request_keys: int = -1,
-              soft_cap: float | None = None):
+              soft_cap: float | None = None, sinks: torch.Tensor | None = None):
     """`work`: query rows x keys read x query heads x head_dim, summed over the batch (the caller
     plans it once a step); `request_keys`: the most query rows x keys of one request (-1:
-    unknown). An fp8 (uint8) cache takes `kv_scales`; `soft_cap` caps scores as `spec.attention`.
+    unknown). An fp8 (uint8) cache takes `kv_scales`; `soft_cap` caps scores and `sinks`
+    (float32 [query heads], contiguous) join each softmax's denominator, as `spec.attention`.
 
     Split over torch's threads when the kernels run on its OpenMP team; with their own pool,
     one thread: between torch ops, that pool and torch's spinning OpenMP threads take each
@@ -228,13 +233,16 @@ def attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, slidi
         return None
     if meta.query_start_loc.shape != (meta.seq_lens.shape[0] + 1,) or bt.shape[0] < meta.seq_lens.shape[0]:
         return None
+    if sinks is not None and not _sinks_ok(sinks, hq):
+        return None
     out = torch.empty((t, hq, d), dtype=q.dtype)
     fn = _fn(lib, "attention_fp8" if fp8 else "attention", q.dtype)
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
     _check(fn(q.data_ptr(), q.stride(0), q.stride(1), t, hq, kv_cache.data_ptr(), nblocks, bs, hk, d,
               bt.data_ptr(), bt.stride(0), bt.shape[1], meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
               meta.seq_lens.shape[0], scale, sliding_window or 0, out.data_ptr(), float(k_scale), float(v_scale),
-              float(soft_cap or 0.0), torch.get_num_threads() if openmp() else 1),
+              float(soft_cap or 0.0), None if sinks is None else sinks.data_ptr(),
+              torch.get_num_threads() if openmp() else 1),
            "attention: the batch metadata points outside q, the block table or the cache")
     return out
 
@@ -279,6 +287,58 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor):
     _check(lib.infer_bf16_gemv(x.data_ptr(), x.stride(0), rows, k, weight.data_ptr(), y.data_ptr(), n,
                                torch.get_num_threads()), "bf16 linear")
     return y
+
+
+def _bf16_rows(t: torch.Tensor | None, shape: tuple) -> torch.Tensor | None:
+    """t as a contiguous bf16 tensor of `shape` (None stays None); raises ValueError on another shape."""
+    if t is None:
+        return None
+    if tuple(t.shape) != shape:
+        raise ValueError(f"moe: a tensor of shape {tuple(t.shape)} where {shape} was expected")
+    return t.to(torch.bfloat16).contiguous()
+
+
+def moe_bf16(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+             renormalize: bool, shared=None, shared_gate=None, w13_bias=None, w2_bias=None, activation=None,
+             alpha: float = 1.702, limit: float = 7.0, scaling: float | None = None, routed=None):
+    """The `moe` primitive for up to BF16_GEMV_MAX_ROWS bf16 rows in one call (kernels.c, infer_moe_bf16):
+    (out, tokens per expert), or None where the kernel does not apply. `routed` (ids [T, k] int64,
+    float32 weights [T, k]) comes from torch's `route` for the routings the kernel does not do
+    itself (anything but a softmax's top-k, optionally renormalised and scaled)."""
+    lib = _lib(x, w13, w2)
+    if (lib is None or x.dtype != torch.bfloat16 or not bf16_dot() or x.dim() != 2 or not x.is_contiguous()
+            or not 0 < x.shape[0] <= BF16_GEMV_MAX_ROWS or w13.dim() != 3 or not w13.is_contiguous()
+            or w2.dim() != 3 or not w2.is_contiguous() or activation not in (None, "silu", "swiglu_oai")):
+        return None
+    (rows, hidden), (nexp, two_i, _) = x.shape, w13.shape
+    inter = two_i // 2
+    if w13.shape != (nexp, 2 * inter, hidden) or w2.shape != (nexp, hidden, inter) or not 0 < top_k <= nexp:
+        return None
+    if routed is None:
+        logits = router_logits.float().contiguous()
+        if logits.shape != (rows, nexp):
+            return None
+        ids = torch.empty((rows, top_k), dtype=torch.int64)
+        weights = torch.empty((rows, top_k), dtype=torch.float32)
+    else:
+        logits, (ids, weights) = None, (t.contiguous() for t in routed)
+        ids, weights = ids.to(torch.int64), weights.float()
+    b13, b2 = _bf16_rows(w13_bias, (nexp, 2 * inter)), _bf16_rows(w2_bias, (nexp, hidden))
+    shared = _bf16_rows(shared, (rows, hidden))
+    gate = None if shared_gate is None else shared_gate.float().reshape(rows).contiguous()
+    out = torch.empty((rows, hidden), dtype=torch.bfloat16)
+    counts = torch.empty(nexp, dtype=torch.int64)
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    rc = lib.infer_moe_bf16(x.data_ptr(), rows, hidden, inter, nexp, top_k, ptr(logits), int(routed is None),
+                            int(renormalize), float(1.0 if scaling is None else scaling), ids.data_ptr(),
+                            weights.data_ptr(), w13.data_ptr(), w2.data_ptr(), ptr(b13), ptr(b2),
+                            int(activation == "swiglu_oai"), float(alpha), float(limit), ptr(shared), ptr(gate),
+                            out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
+    _check(rc, "moe: an expert id is out of range")
+    return out, counts
 
 
 INT4_GEMM_MAX_ROWS = 32
@@ -410,11 +470,14 @@ def _pack(values, keep, **kw) -> Packed:
 def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNative, cos_sin: torch.Tensor,
                           neox_style: bool,
                           kv_cache: torch.Tensor, heads: tuple[int, int, int], scale: float, window: int | None,
-                          soft_cap: float | None = None, qk_norms: tuple | None = None):
+                          soft_cap: float | None = None, qk_norms: tuple | None = None,
+                          biases: tuple = (None, None), sinks: torch.Tensor | None = None):
     """A layer's side of `attention_block`, checked and packed, or None when the kernels cannot
-    serve it. `heads` is (query heads, KV heads, head_dim); `qk_norms` (q weight, k weight,
-    whole, eps): RMSNorm of q and k before rotary, per head (weights [d]) or over all heads
-    of the projection (``whole``, weights [hq * d] and [hk * d])."""
+    serve it. `heads` is (query heads, KV heads, head_dim); `cos_sin` None: no rotary (q and k
+    as projected); `qk_norms` (q weight, k weight, whole, eps): RMSNorm of q and k before
+    rotary, per head (weights [d]) or over all heads of the projection (``whole``, weights
+    [hq * d] and [hk * d]); `biases`: the qkv and o projections' (or None), added after each
+    product; `sinks`: float32 [hq], as `attention`'s."""
     hq, hk, d = heads
     norms = (0, 0, 0, 0)
     if qk_norms is not None:
@@ -432,14 +495,25 @@ def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNa
     hidden, max_rows = o.shape[0], _max_rows(kv_cache.dtype, qkv, o)
     if qkv.shape != ((hq + 2 * hk) * d, hidden) or o.shape != (hidden, hq * d) or not max_rows:
         return None
-    rot = cos_sin.shape[1]
-    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or rot > d or rot % 2:
+    if cos_sin is None:
+        rope = (0, 1 << 62, 0)
+    elif cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] > d or cos_sin.shape[1] % 2:
+        return None
+    else:
+        rope = (cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1])
+    bias_args = []
+    for b, n in zip(biases, (qkv.shape[0], hidden)):
+        if b is not None and (tuple(b.shape) != (n,) or b.dtype != kv_cache.dtype or not b.is_contiguous()):
+            return None
+        bias_args.append(0 if b is None else b.data_ptr())
+    if sinks is not None and not _sinks_ok(sinks, hq):
         return None
     _, nblocks, bs = kv_cache.shape[:3]
-    values = (*qkv.args, *o.args, cos_sin.data_ptr(), cos_sin.shape[0], rot, int(neox_style), kv_cache.data_ptr(),
-              nblocks, bs, hq, hk, d, hidden, window or 0, _float_bits(soft_cap or 0.0), *norms)
-    return _pack(values, (qkv, o, cos_sin, kv_cache, qk_norms), dtype=kv_cache.dtype, hidden=hidden, scale=scale,
-                 max_rows=max_rows, bf16_attention=_bf16_attention(kv_cache.dtype, kv_cache.dtype, hq, hk, d))
+    values = (*qkv.args, *o.args, *rope, int(neox_style), kv_cache.data_ptr(), nblocks, bs, hq, hk, d, hidden,
+              window or 0, _float_bits(soft_cap or 0.0), *norms, *bias_args, 0 if sinks is None else sinks.data_ptr())
+    return _pack(values, (qkv, o, cos_sin, kv_cache, qk_norms, biases, sinks), dtype=kv_cache.dtype, hidden=hidden,
+                 scale=scale, max_rows=max_rows,
+                 bf16_attention=_bf16_attention(kv_cache.dtype, kv_cache.dtype, hq, hk, d))
 
 
 def attention_block_step(meta):
