@@ -53,3 +53,53 @@ def test_an_unknown_routing_method_is_named(v3_dir):
     config = json.loads((pathlib.Path(v3_dir) / "config.json").read_text())
     with pytest.raises(ValueError, match="routing 'weird' is not supported"):
         build_deepseek({**config, "topk_method": "weird"})
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_as_one_native_call_gives_what_its_primitives_give(kind, tmp_path, monkeypatch, leak_check):
+    """bf16 decode steps (on a CPU with AVX512-BF16): the torch backend's fused latent
+    attention node (q LoRA or not, the latent written and read in place, absorbed per head)
+    gives its primitives' tokens, and log-probabilities within bf16 rounding; prompts past
+    its row limit run the primitives."""
+    from collections import Counter
+
+    from infer.backends.torch_native import TorchBackend, fused, native
+    from infer.core.sampling_params import SamplingParams
+    from infer.primitives.backend import Support
+
+    if native.library() is None or not native.bf16_dot():
+        pytest.skip(f"no AVX512-BF16 native kernels here ({native.status()}): the primitives serve bf16")
+    save_moe_model(kind, tmp_path)
+    # 50 prefill rows (the kernel's: causal within each request), then a prompt past its 64 rows
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [42] * 9},
+               {"prompt_token_ids": list(range(3, 40))}]
+    long_prompt = [{"prompt_token_ids": list(range(100, 170))}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    served = Counter()
+    real = fused.native.mla_block
+
+    def counted(*a):
+        out = real(*a)
+        served.update(["served" if out is not None else "declined"])
+        return out
+
+    def generate():
+        llm = LLM(str(tmp_path), backend="torch", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=3)
+        leak_check.append(llm.engine)
+        outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(long_prompt, params, use_tqdm=False)
+        calls = {c.primitive for c in llm.engine.worker.runner.program.calls}
+        return calls, [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+                       for o in outs]
+
+    monkeypatch.setattr(fused.native, "mla_block", counted)
+    calls, got = generate()
+    assert "fused_mla_attention" in calls and "mla_attention" not in calls
+    # 3 layers x (one prefill and 7 decode steps of the three, 7 decode steps of the long one); its
+    # 70-row prefill ran the primitives
+    assert served == {"served": 3 * (8 + 7)}, served
+    monkeypatch.setattr(TorchBackend, "fuses", lambda self, op, **attrs: Support(False, "off for this test"))
+    calls, want = generate()
+    assert "fused_mla_attention" not in calls
+    for (got_ids, got_lp), (want_ids, want_lp) in zip(got, want):
+        assert got_ids == want_ids
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) <= 0.05

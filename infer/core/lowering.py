@@ -81,12 +81,13 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
     """Expand `graph`; `fuses(op, attrs)` says whether the backend runs a node whole."""
     calls: list[Call] = []
     for node in graph.nodes:
-        # A node with LoRA adapters runs as primitives, as does latent attention (no fused form yet).
-        if (fuses(node.op, node.attrs) and not any(r.endswith("_lora_a") for r in node.params)
-                and not node.attrs.get("mla")):
+        # Latent attention is its own fused node (a backend's fused attention knows only per-head K and V).
+        op = "mla_attention" if node.op == "attention" and node.attrs.get("mla") else node.op
+        # A node with LoRA adapters runs as primitives.
+        if fuses(op, node.attrs) and not any(r.endswith("_lora_a") for r in node.params):
             shape = _node_output_shape(graph, node)
             expansion = tuple(_EXPANSIONS[node.op](graph, node)) if node.op in _EXPANSIONS else ()
-            calls.append(Call(f"fused_{node.op}", node.name, node.inputs, node.outputs, node.params, node.attrs,
+            calls.append(Call(f"fused_{op}", node.name, node.inputs, node.outputs, node.params, node.attrs,
                               (shape,) * len(node.outputs), node.layer, expansion))
         elif node.op in _EXPANSIONS:
             calls.extend(_EXPANSIONS[node.op](graph, node))

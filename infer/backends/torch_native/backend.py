@@ -71,13 +71,14 @@ class TorchBackend(TorchTensors):
     def fuses(self, node_op: str, **attrs: Any) -> Support:
         # The native attention block and MLP (fused.py) on CPU; each step they cannot
         # serve (see there) runs the node's primitives.
-        if node_op not in ("attention", "mlp"):
-            return Support(False, f"backend '{self.name}' fuses attention and mlp nodes only")
+        if node_op not in ("attention", "mlp", "mla_attention"):
+            return Support(False, f"backend '{self.name}' fuses attention, mla_attention and mlp nodes only")
         if not self._native_kernels():
             return Support(False, f"the native kernels are not in use ({native.status()})")
         return Support(True)
 
     fused_attention = staticmethod(fused.attention)
+    fused_mla_attention = staticmethod(fused.mla_attention)
     fused_mlp = staticmethod(fused.mlp)
 
     def prepare_weight(self, weight: WeightHandle) -> WeightHandle:

@@ -14,6 +14,8 @@ runner runs the node's primitives instead.
 
 from __future__ import annotations
 
+import torch
+
 from ...primitives.context import LayerContext
 from ...primitives.types import AttentionMetadata, DenseWeight, Int4GroupWeight
 from .attention import LazyPlan
@@ -101,4 +103,31 @@ def mlp(x, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
     if packed is False or not _takes(x, packed, params["gate_up_proj"], params["down_proj"]):
         return NotImplemented
     out = native.mlp(x, packed)
+    return NotImplemented if out is None else out
+
+
+def mla_attention(x, positions, *, params, attrs, ctx: LayerContext, meta: AttentionMetadata):
+    """DeepSeek's latent attention node (bf16 weights and cache, AVX512-BF16) in one native call."""
+    plan = meta.plan
+    if not isinstance(plan, LazyPlan) or x.dtype != torch.bfloat16:
+        return NotImplemented
+
+    def build():
+        lora = "q_a_kv_a_proj" in params
+        down = _gemv(params["q_a_kv_a_proj" if lora else "kv_a_proj"])
+        up, o = _gemv(params["q_b_proj" if lora else "q_proj"]), _gemv(params["o_proj"])
+        if down is None or up is None or o is None or ctx.kv_cache_dtype == "fp8":
+            return None
+        return native.mla_block_layer(down, up, o, params.get("q_a_norm"), params["kv_a_norm"], params["kv_b_proj"],
+                                      ctx.cos_sin_cache(attrs["rotary_dim"]), attrs["neox_style"], ctx.kv_cache,
+                                      attrs, x.dtype)
+
+    packed = _layer_memo(params, build, ctx.kv_cache)
+    if packed is False or not 0 < x.shape[0] <= packed.max_rows:
+        return NotImplemented
+    if plan.native is None:  # the step's side, packed by the first layer
+        plan.native = native.attention_block_step(meta) or False
+    if plan.native is False:
+        return NotImplemented
+    out = native.mla_block(x, positions, packed, plan.native, plan.row_keys)
     return NotImplemented if out is None else out

@@ -1782,6 +1782,159 @@ int infer_moe_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t inte
 #endif
 }
 
+/* ---- a step's latent attention (DeepSeek MLA), one call (bf16, AVX512-BF16) -------------
+ * What the `_mla_attention` expansion runs, absorbed as `torch_native.attention.mla_attention`:
+ *   q (and with a q LoRA: qa = rms_norm(x @ Wqa) first, q = qa @ Wqb; else q = x @ Wq),
+ *   kva = x @ Wkva; c = rms_norm(kva[:r]); rotary on each head's q_pe and on k_pe = kva[r:];
+ *   the latent [c, k_pe] written to the cache (split over its two planes of `half` values);
+ *   per (row, head): q_lat = q_nope @ W_UK[h] (bf16), scores = (q_lat . c_s + q_pe . k_pe_s) *
+ *   scale over the row's keys (float32), softmax, o_lat = P @ c (bf16), o = o_lat @ W_UV[h]^T
+ *   (bf16); out = o @ Wo. kv_b [H, n + vd, r] holds each head's W_UK rows then W_UV rows.
+ *   layer[] = {wq, wa, qr (0: no q LoRA), q_a_norm, kv_a_norm, kv_b, wo, cos_sin, npos, neox,
+ *              cache, nblocks, bs, half, heads, nope, rope, rank, vd, hidden, eps, scale (float32 bits)}
+ *   step[]  = as the attention block's */
+typedef struct {
+    const uint16_t *q, *rot, *kvb, *cache;
+    uint16_t *att;
+    const int32_t *block_table, *qsl, *seq_lens;
+    const int64_t *row_req;
+    int64_t heads, nope, rope, rank, vd, half, bs, bt_stride, nslots, units;
+    float scale;
+    _Atomic int failed;
+} mla_job;
+
+static void mla_task(const void *args, int64_t part, int64_t parts) {
+    mla_job *j = (mla_job *)args;
+    int64_t lo = j->units * part / parts, hi = j->units * (part + 1) / parts;
+    int64_t H = j->heads, n = j->nope, p = j->rope, r = j->rank, vd = j->vd, lat = r + p;
+    int64_t most = 0;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t b = j->row_req[u / H];
+        most = b >= 0 && j->seq_lens[b] > most ? j->seq_lens[b] : most;
+    }
+    float *ql = (float *)malloc(sizeof(float) * (2 * lat + r + most + 1));
+    if (!ql) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    float *lf = ql + lat, *ol = lf + lat, *sc = ol + r; /* q_lat then q_pe; a key's latent; o_lat; scores */
+    const uint16_t *plane1 = j->cache + j->nslots * j->half;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t t = u / H, h = u % H, b = j->row_req[t];
+        if (b < 0) continue; /* a padding row: its output stays zero */
+        int64_t qlen = j->qsl[b + 1] - j->qsl[b], nkeys = j->seq_lens[b] - qlen + (t - j->qsl[b]) + 1;
+        const uint16_t *qn = j->q + (t * H + h) * (n + p), *qp = j->rot + (t * (H + 1) + h) * p;
+        const uint16_t *wuk = j->kvb + h * (n + vd) * r, *wuv = wuk + n * r;
+        for (int64_t e = 0; e < r; e++) ql[e] = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            float a = bf16_load(qn[i]);
+            const uint16_t *row = wuk + i * r;
+            for (int64_t e = 0; e < r; e++) ql[e] += a * bf16_load(row[e]);
+        }
+        for (int64_t e = 0; e < r; e++) ql[e] = bf16_load(bf16_store(ql[e]));
+        for (int64_t e = 0; e < p; e++) ql[r + e] = bf16_load(qp[e]);
+        const int32_t *bt = j->block_table + b * j->bt_stride;
+        float m = -INFINITY;
+        for (int64_t s = 0; s < nkeys; s++) {
+            int64_t slot = (int64_t)bt[s / j->bs] * j->bs + s % j->bs;
+            const uint16_t *k0 = j->cache + slot * j->half, *k1 = plane1 + slot * j->half;
+            for (int64_t e = 0; e < j->half; e++) lf[e] = bf16_load(k0[e]), lf[j->half + e] = bf16_load(k1[e]);
+            sc[s] = (dot_fma(ql, lf, r) + dot_fma(ql + r, lf + r, p)) * j->scale;
+            m = sc[s] > m ? sc[s] : m;
+        }
+        float sum = 0.0f;
+        for (int64_t s = 0; s < nkeys; s++) sum += (sc[s] = exp_f32(sc[s] - m));
+        for (int64_t e = 0; e < r; e++) ol[e] = 0.0f;
+        for (int64_t s = 0; s < nkeys; s++) {
+            int64_t slot = (int64_t)bt[s / j->bs] * j->bs + s % j->bs;
+            const uint16_t *k0 = j->cache + slot * j->half, *k1 = plane1 + slot * j->half;
+            float w = sc[s] / sum;
+            for (int64_t e = 0; e < r; e++) ol[e] += w * bf16_load(e < j->half ? k0[e] : k1[e - j->half]);
+        }
+        for (int64_t e = 0; e < r; e++) ol[e] = bf16_load(bf16_store(ol[e]));
+        uint16_t *o = j->att + (t * H + h) * vd;
+        for (int64_t v = 0; v < vd; v++) {
+            const uint16_t *row = wuv + v * r;
+            float acc = 0.0f;
+            for (int64_t e = 0; e < r; e++) acc += ol[e] * bf16_load(row[e]);
+            o[v] = bf16_store(acc);
+        }
+    }
+    free(ql);
+}
+
+int infer_mla_block_bf16(const uint16_t *x, int64_t rows, const int64_t *positions, const int64_t *a,
+                         const int64_t *m, uint16_t *out, int64_t threads) {
+#if BF16_DOT
+#define A(i, TYPE) ((TYPE)(intptr_t)a[i])
+    const uint16_t *wq = A(0, const uint16_t *), *wa = A(1, const uint16_t *), *qan = A(3, const uint16_t *);
+    const uint16_t *kvan = A(4, const uint16_t *), *kvb = A(5, const uint16_t *), *wo = A(6, const uint16_t *);
+    const float *cos_sin = A(7, const float *);
+    uint16_t *cache = A(10, uint16_t *);
+    int64_t qr = a[2], npos = a[8], neox = a[9], nblocks = a[11], bs = a[12], half = a[13], H = a[14], n = a[15];
+    int64_t p = a[16], r = a[17], vd = a[18], hidden = a[19];
+    float eps = *(const float *)&a[20], scale = *(const float *)&a[21];
+#undef A
+    const int64_t *slots = (const int64_t *)(intptr_t)m[0];
+    const int32_t *block_table = (const int32_t *)(intptr_t)m[1], *qsl = (const int32_t *)(intptr_t)m[4];
+    const int32_t *seq_lens = (const int32_t *)(intptr_t)m[5];
+    int64_t bt_stride = m[2], bt_width = m[3], nseq = m[6], lat = r + p, qw = H * (n + p), wa_n = qr + lat;
+    for (int64_t b = 0; b < nseq; b++) {
+        int64_t lo = qsl[b], hi = qsl[b + 1], len = seq_lens[b];
+        if (lo < 0 || hi < lo || hi > rows || (len < hi - lo && !(len == 0 && hi - lo == 1)) ||
+            (len + bs - 1) / bs > bt_width)
+            return -1;
+        for (int64_t i = 0; i < (len + bs - 1) / bs; i++) {
+            int32_t blk = block_table[b * bt_stride + i];
+            if (blk < 0 || blk >= nblocks) return -1;
+        }
+    }
+    uint16_t *buf = (uint16_t *)malloc(sizeof(uint16_t) * rows * (wa_n + qw + (H + 1) * p + lat + H * vd) + 1);
+    int64_t *row_req = (int64_t *)malloc(sizeof(int64_t) * (rows + 1));
+    if (!buf || !row_req) {
+        free(buf), free(row_req);
+        return -2;
+    }
+    uint16_t *kva_all = buf, *q = kva_all + rows * wa_n, *rot = q + rows * qw, *latent = rot + rows * (H + 1) * p;
+    uint16_t *att = latent + rows * lat;
+    for (int64_t t = 0; t < rows; t++) row_req[t] = -1;
+    for (int64_t b = 0; b < nseq; b++)
+        for (int64_t t = qsl[b]; t < qsl[b + 1]; t++) row_req[t] = b;
+    int rc = infer_bf16_gemv(x, hidden, rows, hidden, wa, kva_all, wa_n, threads);
+    if (rc == 0 && qr) { /* q LoRA: qa normalised in place, then up */
+        rc = infer_rms_norm_bf16(kva_all, wa_n, NULL, 0, qan, kva_all, wa_n, NULL, 0, rows, qr, eps);
+        if (rc == 0) rc = infer_bf16_gemv(kva_all, wa_n, rows, qr, wq, q, qw, threads);
+    } else if (rc == 0) {
+        rc = infer_bf16_gemv(x, hidden, rows, hidden, wq, q, qw, threads);
+    }
+    const uint16_t *kva = kva_all + qr;
+    if (rc == 0) rc = infer_rms_norm_bf16(kva, wa_n, NULL, 0, kvan, latent, lat, NULL, 0, rows, r, eps);
+    if (rc == 0)
+        rc = infer_rotary_bf16(q + n, qw, n + p, H, kva + r, wa_n, p, 1, positions, cos_sin, npos, p, (int)neox, rot,
+                               rows, p);
+    for (int64_t t = 0; rc == 0 && t < rows; t++)
+        memcpy(latent + t * lat + r, rot + (t * (H + 1) + H) * p, sizeof(uint16_t) * p);
+    if (rc == 0)
+        rc = infer_kv_write((const char *)latent, lat, (const char *)(latent + half), lat, slots, rows, (char *)cache,
+                            nblocks * bs, half, sizeof(uint16_t));
+    if (rc == 0) {
+        memset(att, 0, sizeof(uint16_t) * rows * H * vd);
+        mla_job job = {q, rot, kvb, cache, att, block_table, qsl, seq_lens, row_req, H, n, p, r, vd, half, bs,
+                       bt_stride, nblocks * bs, rows * H, scale, 0};
+        int64_t parts = threads < 1 ? 1 : threads;
+        if (parts > rows * H) parts = rows * H;
+        pool_run(mla_task, &job, parts);
+        rc = atomic_load(&job.failed) ? -2 : 0;
+    }
+    if (rc == 0) rc = infer_bf16_gemv(att, H * vd, rows, H * vd, wo, out, hidden, threads);
+    free(buf), free(row_req);
+    return rc;
+#else
+    (void)x, (void)rows, (void)positions, (void)a, (void)m, (void)out, (void)threads;
+    return -3;
+#endif
+}
+
 /* A fused layer's projection: an int4 weight (as infer_int4_gemm), or with bf16 activations
  * a dense bf16 [n, k] weight, passed as `q` with no scales (s NULL). */
 static int layer_gemm_f32(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16, const float *x,

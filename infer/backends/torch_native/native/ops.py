@@ -461,6 +461,8 @@ class Packed:
     scale: float = 0.0
     max_rows: int = 0  # rows of x its kernels serve (layers)
     bf16_attention: bool = False  # its attention takes the bf16 dot-product path (layers)
+    heads: int = 0  # query heads (latent attention layers)
+    latent: int = 0  # values a token's latent holds (latent attention layers)
 
 
 def _pack(values, keep, **kw) -> Packed:
@@ -549,6 +551,60 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, ste
     if rc == _NOT_FINITE:  # this step's kv_write may have run: the primitives write the same again
         return None
     _check(rc, "attention block: a position, slot or block is outside its table")
+    return out
+
+
+def mla_block_layer(down: DenseNative, up: DenseNative, o: DenseNative, q_a_norm, kv_a_norm: torch.Tensor,
+                    kv_b: torch.Tensor, cos_sin: torch.Tensor, neox_style: bool, kv_cache: torch.Tensor, attrs: dict,
+                    dtype: torch.dtype):
+    """A layer's side of `mla_block` (DeepSeek's latent attention; bf16 dense weights), checked and
+    packed, or None. `down` is ``kv_a_proj`` or (with `q_a_norm`, a q LoRA) ``q_a_kv_a_proj``, `up`
+    ``q_proj`` or ``q_b_proj``; `attrs` the node's (head sizes, scale, eps)."""
+    n, p, r, vd = attrs["qk_nope_head_dim"], attrs["rotary_dim"], attrs["kv_lora_rank"], attrs["v_head_dim"]
+    if (library() is None or dtype != torch.bfloat16 or not bf16_dot() or not all(isinstance(w, DenseNative)
+                                                                                 for w in (down, up, o))):
+        return None
+    if kv_b.dim() != 2 or kv_b.shape[0] % (n + vd) or kv_b.shape[1] != r:
+        return None
+    heads, hidden = kv_b.shape[0] // (n + vd), o.shape[0]
+    qr = down.shape[0] - r - p
+    if (qr < 0 or (qr > 0) != (q_a_norm is not None) or down.shape[1] != hidden
+            or up.shape != (heads * (n + p), qr or hidden) or o.shape != (hidden, heads * vd)):
+        return None
+    half = (r + p) // 2
+    if kv_cache.dtype != dtype or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (1, half) \
+            or not kv_cache.is_contiguous() or not kv_cache.is_cpu or 2 * half != r + p:
+        return None
+    if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != p or p % 2:
+        return None
+    norms = [w if w is None else w.to(dtype).contiguous() for w in (q_a_norm, kv_a_norm)]
+    if norms[1].shape != (r,) or (norms[0] is not None and norms[0].shape != (qr,)):
+        return None
+    kv_b = kv_b.to(dtype).contiguous()
+    _, nblocks, bs = kv_cache.shape[:3]
+    values = (up.weight.data_ptr(), down.weight.data_ptr(), qr, 0 if norms[0] is None else norms[0].data_ptr(),
+              norms[1].data_ptr(), kv_b.data_ptr(), o.weight.data_ptr(), cos_sin.data_ptr(), cos_sin.shape[0],
+              int(neox_style), kv_cache.data_ptr(), nblocks, bs, half, heads, n, p, r, vd, hidden,
+              _float_bits(attrs["eps"]), _float_bits(attrs["scale"]))
+    return _pack(values, (down, up, o, norms, kv_b, cos_sin, kv_cache), dtype=dtype, hidden=hidden,
+                 max_rows=BF16_GEMV_MAX_ROWS, heads=heads, latent=r + p)
+
+
+def mla_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Packed, row_keys: int):
+    """The latent attention node for the rows of x (`row_keys`: query rows x keys of the step);
+    None when the kernel does not apply (more attention work than MAX_ATTENTION_WORK)."""
+    lib = _lib(x)
+    if lib is None or x.dtype != layer.dtype or not _layer_rows(x, layer) or x.shape[1] != layer.hidden \
+            or row_keys * layer.heads * layer.latent > MAX_ATTENTION_WORK:
+        return None
+    rows = x.shape[0]
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,) \
+            or step.keep[3].shape != (rows,):
+        return None
+    out = torch.empty((rows, layer.hidden), dtype=x.dtype)
+    _check(lib.infer_mla_block_bf16(x.data_ptr(), rows, positions.data_ptr(), layer.array.data_ptr(),
+                                    step.array.data_ptr(), out.data_ptr(), torch.get_num_threads()),
+           "latent attention: a position, slot or block is outside its table")
     return out
 
 
