@@ -171,3 +171,42 @@ def test_gpt_oss_bfloat16_greedy_tokens_equal_transformers_in_bfloat16(tmp_path,
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_groups",
+                                  "deepseek_v3"])
+def test_moe_bfloat16_tokens_are_transformers_best_in_bfloat16(kind, tmp_path, leak_check):
+    """The MoE models in bf16 on the torch backend against transformers computing in bf16 too.
+    On a CPU with AVX512-BF16 decode steps run each sparse layer's `moe` in one native call
+    (routing, biased experts, gpt-oss's clamped SwiGLU, shared experts), gpt-oss's attention
+    with its sinks and biases and DeepSeek's latent attention as fused native nodes; elsewhere
+    the torch ops (sinks on the explicit-score path).
+
+    Two bf16 computations in different orders part at near-ties, in the router's top-k too
+    (torch's own ops do against transformers here: an expert flips, and that step's logits
+    move by ~0.1-0.5), so transformers scores infer's tokens teacher-forced: over a model's
+    48 steps, 90% must be within 0.05 of transformers' best logprob and have infer's logprob
+    within 0.05 of transformers', and the medians stay under 0.02 (a wrong scale, routing
+    rule or activation moves every step by more). DeepSeek's routers part most: transformers
+    computes their logits in float32, infer in the model's dtype."""
+    model = save_moe_model(kind, tmp_path)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS]
+    bf16 = model.to(torch.bfloat16)
+    llm = LLM(str(tmp_path), backend="torch", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=4,
+              max_model_len=128, show_progress=False)
+    leak_check.append(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    gaps, diffs = [], []
+    for prompt, out in zip(prompts, outs):
+        ids = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = bf16(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+        want = torch.log_softmax(logits, dim=-1)
+        chosen = want[torch.arange(len(ids)), torch.tensor(ids)]
+        gaps.append(want.max(dim=-1).values - chosen)
+        diffs.append((torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, ids)]) - chosen).abs())
+    gaps, diffs = torch.cat(gaps), torch.cat(diffs)
+    assert (gaps <= 0.05).float().mean() >= 0.9 and gaps.median() <= 0.02, (kind, gaps)
+    assert (diffs <= 0.05).float().mean() >= 0.9 and diffs.median() <= 0.02, (kind, diffs)

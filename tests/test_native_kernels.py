@@ -735,15 +735,16 @@ def test_bf16_attention_dot_product_path_lets_a_nan_key_reach_its_rows_as_the_ge
 
 # What the MoE architectures hand the primitive: Mixtral / Qwen3-MoE (renormalised softmax top-k),
 # Qwen2-MoE (as the softmax gives them, a gated shared expert), gpt-oss (expert biases, clamped
-# SwiGLU), DeepSeek V3 (sigmoid scores, selection bias, groups, scaled: routed by torch first).
-MOE_FORMS = ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"]
+# SwiGLU), DeepSeek V2 (groups by their best expert) and V3 (sigmoid scores, a selection bias,
+# groups by their two best, scaled).
+MOE_FORMS = ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v2_groups", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 @pytest.mark.parametrize("form", MOE_FORMS)
 def test_bf16_moe_runs_decode_sized_steps_in_one_native_call_as_the_torch_moe_routes_them(tokens, form):
-    """The whole primitive in the kernel (routing too, except DeepSeek's): the same routing
-    and counts as the torch moe, outputs within bf16 rounding of its."""
+    """The whole primitive in the kernel, routing included: the same routing and counts as the
+    torch moe, outputs within bf16 rounding of its."""
     from infer.backends.torch_native import fast_paths
     from infer.backends.torch_native import moe as moe_mod
 
@@ -763,6 +764,8 @@ def test_bf16_moe_runs_decode_sized_steps_in_one_native_call_as_the_torch_moe_ro
         args.update(w13_bias=torch.randn(e, 2 * i, generator=g).bfloat16(),
                     w2_bias=torch.randn(e, h, generator=g).bfloat16(), activation="swiglu_oai", swiglu_alpha=1.702,
                     swiglu_limit=0.8)
+    if form == "deepseek_v2_groups":  # softmax scores, the 2 of 4 groups with the best expert, scaled
+        args.update(renormalize=False, routed_scaling_factor=1.5, expert_groups=(4, 2, "max"))
     if form == "deepseek_v3":
         args.update(shared=torch.randn(tokens, h, generator=g).bfloat16(), routed_scaling_factor=2.5,
                     scoring_func="sigmoid", routing_bias=torch.randn(e, generator=g) * 0.2, expert_groups=(4, 2, "top2"))
@@ -792,11 +795,11 @@ def test_bf16_moe_runs_decode_sized_steps_in_one_native_call_as_the_torch_moe_ro
     assert fast_paths.moe(x.float(), logits, w13.float(), w2.float(), 2, True) is NotImplemented
 
 
-def test_bf16_moe_kernel_refuses_an_expert_id_out_of_range():
+def test_bf16_moe_kernel_declines_groups_that_do_not_fit_and_torch_refuses_them():
     if not _bf16_served():
         pytest.skip("no AVX512-BF16 on this host: the kernel declines (checked)")
     w13, w2 = torch.zeros(4, 16, 8, dtype=torch.bfloat16), torch.zeros(4, 8, 8, dtype=torch.bfloat16)
-    x = torch.ones(2, 8, dtype=torch.bfloat16)
-    routed = (torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2))
-    with pytest.raises(IndexError, match="expert id"):
-        nops.moe_bf16(x, None, w13, w2, 2, True, routed=routed)
+    x, logits = torch.ones(2, 8, dtype=torch.bfloat16), torch.zeros(2, 4)
+    assert nops.moe_bf16(x, logits, w13, w2, 2, True, expert_groups=(3, 1, "max")) is None  # 3 groups of 4 experts
+    assert nops.moe_bf16(x, logits, w13, w2, 3, True, expert_groups=(2, 1, "max")) is None  # top-3 of one kept pair
+    assert nops.moe_bf16(x, logits, w13, w2, 2, True, expert_groups=(2, 1, "max")) is not None

@@ -76,17 +76,14 @@ def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=
         activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None,
         routing_bias=None, expert_groups=None):
     """Steps of up to the bf16 GEMV's rows (decode): the whole primitive in one native call
-    (routing too, unless it is DeepSeek's: torch's `route` then), else each chosen expert's
+    (routing included), else each chosen expert's
     two projections through the GEMV, routing, activation and combine as the torch moe's."""
     if x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= native.BF16_GEMV_MAX_ROWS:
         return NotImplemented
-    routed = None
-    if scoring_func is not None or routing_bias is not None or expert_groups is not None:
-        routed = torch_moe.route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func, routing_bias,
-                                 expert_groups)
     out = native.moe_bf16(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias, w2_bias,
                           activation, 1.702 if swiglu_alpha is None else swiglu_alpha,
-                          7.0 if swiglu_limit is None else swiglu_limit, routed_scaling_factor, routed)
+                          7.0 if swiglu_limit is None else swiglu_limit, routed_scaling_factor, scoring_func,
+                          routing_bias, expert_groups)
     if out is not None:
         return out
     return torch_moe.routed_moe(native.bf16_gemv, x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate,

@@ -148,8 +148,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.infer_int4_half_scales.argtypes, lib.infer_int4_half_scales.restype = (), ctypes.c_int
     lib.infer_bf16_dot.argtypes, lib.infer_bf16_dot.restype = (), ctypes.c_int
     lib.infer_bf16_gemv.argtypes, lib.infer_bf16_gemv.restype = (_P, _I, _I, _I, _P, _P, _I, _I), ctypes.c_int
-    lib.infer_moe_bf16.argtypes = (_P, _I, _I, _I, _I, _I, _P, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _F, _F, _P, _P,
-                                   _P, _P, _I)
+    lib.infer_moe_bf16.argtypes = (_P, _I, _I, _I, _I, _I, _P, _I, _I, _F, _I, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P,
+                                   _I, _F, _F, _P, _P, _P, _P, _I)
     lib.infer_moe_bf16.restype = ctypes.c_int
     lib.infer_mla_block_bf16.argtypes, lib.infer_mla_block_bf16.restype = (_P, _I, _P, _P, _P, _P, _I), ctypes.c_int
     lib.infer_attention_bf16_fast.argtypes, lib.infer_attention_bf16_fast.restype = (ctypes.c_int,), ctypes.c_int

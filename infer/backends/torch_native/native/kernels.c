@@ -1676,9 +1676,12 @@ static void add_bias_bf16(uint16_t *y, int64_t rows, int64_t n, const uint16_t *
 
 /* ---- a decode step's routed experts, one call (bf16, AVX512-BF16) ---------------------
  * What `torch_native.moe.routed_moe` does with the bf16 GEMV, minus ~25 torch ops a layer:
- *   routing (route != 0; else ids/weights come in, routed by torch): softmax of the router
- *     logits, the top_k experts by logit (lowest id first on ties, as the stable sort of
- *     the probabilities), weights renormalised to sum to 1 (renorm) and scaled;
+ *   routing (route != 0; else ids/weights come in): the `moe` primitive's. Scores are the
+ *     softmax of the router logits, or (sigmoid) each logit's sigmoid; experts are chosen by
+ *     score plus `bias` (DeepSeek V3's selection bias; NULL: none), among the `keep` best of
+ *     `groups` groups (0: no groups) by their best (kind 0) or two best (kind 1) choice
+ *     values; the top_k, lowest id first on ties (the stable sort); weights are their
+ *     scores, renormalised to sum to 1 (renorm) and scaled;
  *   each expert's rows: gate_up = x @ W13[e] (+ b13[e]) -> act -> y = . @ W2[e] (+ b2[e]),
  *     bf16 after each step as the torch ops round them; act 0: SwiGLU (silu(g) * u),
  *     1: gpt-oss's clamped form ((clamp(u) + 1) * g' * sigmoid(alpha g'), g' = min(g, limit));
@@ -1686,35 +1689,67 @@ static void add_bias_bf16(uint16_t *y, int64_t rows, int64_t n, const uint16_t *
  *     expert's output (times sigmoid(shared_gate[t]) when given), rounded once to bf16.
  * counts[E] receives the tokens each expert got. */
 int infer_moe_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t inter, int64_t nexp, int64_t top_k,
-                   const float *logits, int64_t route, int64_t renorm, float scaling, int64_t *ids, float *weights,
+                   const float *logits, int64_t route, int64_t renorm, float scaling, int64_t sigmoid,
+                   const float *bias, int64_t groups, int64_t keep, int64_t group_kind, int64_t *ids, float *weights,
                    const uint16_t *w13, const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t act,
                    float alpha, float limit, const uint16_t *shared, const float *shared_gate, uint16_t *out,
                    int64_t *counts, int64_t threads) {
 #if BF16_DOT
-    if (top_k < 1 || top_k > nexp) return -1;
+    if (top_k < 1 || top_k > nexp || (groups && (nexp % groups || keep < 1 || keep > groups))) return -1;
     int64_t pairs = rows * top_k;
+    float *score = (float *)malloc(sizeof(float) * (2 * nexp + groups + 1));
+    if (!score) return -2;
+    float *choice = score + nexp, *gscore = choice + nexp;
     for (int64_t t = 0; route && t < rows; t++) {
         const float *l = logits + t * nexp;
         int64_t *id = ids + t * top_k;
         float m = -INFINITY, sum = 0.0f, kept = 0.0f;
-        for (int64_t e = 0; e < nexp; e++) m = l[e] > m ? l[e] : m;
-        for (int64_t e = 0; e < nexp; e++) sum += exp_f32(l[e] - m);
+        if (sigmoid) {
+            for (int64_t e = 0; e < nexp; e++) score[e] = 1.0f / (1.0f + exp_f32(-l[e]));
+        } else {
+            for (int64_t e = 0; e < nexp; e++) m = l[e] > m ? l[e] : m;
+            for (int64_t e = 0; e < nexp; e++) sum += (score[e] = exp_f32(l[e] - m));
+            for (int64_t e = 0; e < nexp; e++) score[e] /= sum;
+        }
+        /* without a bias or groups the logits order the experts as their scores do, exactly */
+        for (int64_t e = 0; e < nexp; e++) choice[e] = bias ? score[e] + bias[e] : sigmoid || groups ? score[e] : l[e];
+        if (groups) {
+            int64_t per = nexp / groups;
+            for (int64_t g = 0; g < groups; g++) {
+                float a = -INFINITY, b = -INFINITY; /* the group's best and second best */
+                for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                    float v = choice[e];
+                    if (v > a) b = a, a = v;
+                    else if (v > b) b = v;
+                }
+                gscore[g] = group_kind && per > 1 ? b + a : a;
+            }
+            for (int64_t k = 0; k < keep; k++) { /* the kept groups marked +inf, lowest index on ties */
+                int64_t best = -1;
+                for (int64_t g = 0; g < groups; g++)
+                    if (gscore[g] != INFINITY && (best < 0 || gscore[g] > gscore[best])) best = g;
+                gscore[best] = INFINITY;
+            }
+            for (int64_t e = 0; e < nexp; e++)
+                if (gscore[e / per] != INFINITY) choice[e] = -INFINITY;
+        }
         for (int64_t j = 0; j < top_k; j++) { /* selection: k passes over E (both small) */
             int64_t best = -1;
             for (int64_t e = 0; e < nexp; e++) {
                 int taken = 0;
                 for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
-                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+                if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
             }
             id[j] = best;
-            weights[t * top_k + j] = exp_f32(l[best] - m) / sum;
-            kept += weights[t * top_k + j];
+            weights[t * top_k + j] = score[best];
+            kept += score[best];
         }
         for (int64_t j = 0; j < top_k; j++) {
             float w = weights[t * top_k + j];
-            weights[t * top_k + j] = (renorm ? w / kept : w) * scaling;
+            weights[t * top_k + j] = renorm ? w / kept * scaling : w * scaling;
         }
     }
+    free(score);
     for (int64_t e = 0; e < nexp; e++) counts[e] = 0;
     for (int64_t p = 0; p < pairs; p++) {
         if (ids[p] < 0 || ids[p] >= nexp) return -1;
@@ -1776,6 +1811,7 @@ int infer_moe_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t inte
     return rc;
 #else
     (void)x, (void)rows, (void)hidden, (void)inter, (void)nexp, (void)top_k, (void)logits, (void)route, (void)renorm;
+    (void)sigmoid, (void)bias, (void)groups, (void)keep, (void)group_kind;
     (void)scaling, (void)ids, (void)weights, (void)w13, (void)w2, (void)b13, (void)b2, (void)act, (void)alpha;
     (void)limit, (void)shared, (void)shared_gate, (void)out, (void)counts, (void)threads;
     return -3;

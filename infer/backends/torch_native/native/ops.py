@@ -300,11 +300,11 @@ def _bf16_rows(t: torch.Tensor | None, shape: tuple) -> torch.Tensor | None:
 
 def moe_bf16(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
              renormalize: bool, shared=None, shared_gate=None, w13_bias=None, w2_bias=None, activation=None,
-             alpha: float = 1.702, limit: float = 7.0, scaling: float | None = None, routed=None):
-    """The `moe` primitive for up to BF16_GEMV_MAX_ROWS bf16 rows in one call (kernels.c, infer_moe_bf16):
-    (out, tokens per expert), or None where the kernel does not apply. `routed` (ids [T, k] int64,
-    float32 weights [T, k]) comes from torch's `route` for the routings the kernel does not do
-    itself (anything but a softmax's top-k, optionally renormalised and scaled)."""
+             alpha: float = 1.702, limit: float = 7.0, scaling: float | None = None, scoring_func=None,
+             routing_bias=None, expert_groups=None):
+    """The `moe` primitive for up to BF16_GEMV_MAX_ROWS bf16 rows in one call (kernels.c, infer_moe_bf16),
+    its routing included (softmax or sigmoid scores, DeepSeek's selection bias and groups): (out,
+    tokens per expert), or None where the kernel does not apply."""
     lib = _lib(x, w13, w2)
     if (lib is None or x.dtype != torch.bfloat16 or not bf16_dot() or x.dim() != 2 or not x.is_contiguous()
             or not 0 < x.shape[0] <= BF16_GEMV_MAX_ROWS or w13.dim() != 3 or not w13.is_contiguous()
@@ -314,15 +314,18 @@ def moe_bf16(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2
     inter = two_i // 2
     if w13.shape != (nexp, 2 * inter, hidden) or w2.shape != (nexp, hidden, inter) or not 0 < top_k <= nexp:
         return None
-    if routed is None:
-        logits = router_logits.float().contiguous()
-        if logits.shape != (rows, nexp):
-            return None
-        ids = torch.empty((rows, top_k), dtype=torch.int64)
-        weights = torch.empty((rows, top_k), dtype=torch.float32)
-    else:
-        logits, (ids, weights) = None, (t.contiguous() for t in routed)
-        ids, weights = ids.to(torch.int64), weights.float()
+    if scoring_func not in (None, "softmax", "sigmoid"):
+        return None
+    groups, keep, kind = expert_groups or (0, 0, "max")
+    if expert_groups is not None and (kind not in ("max", "top2") or groups < 1 or nexp % groups
+                                      or not 0 < keep <= groups or top_k > keep * (nexp // groups)):
+        return None
+    logits = router_logits.float().contiguous()
+    bias = None if routing_bias is None else routing_bias.float().contiguous()
+    if logits.shape != (rows, nexp) or (bias is not None and bias.shape != (nexp,)):
+        return None
+    ids = torch.empty((rows, top_k), dtype=torch.int64)
+    weights = torch.empty((rows, top_k), dtype=torch.float32)
     b13, b2 = _bf16_rows(w13_bias, (nexp, 2 * inter)), _bf16_rows(w2_bias, (nexp, hidden))
     shared = _bf16_rows(shared, (rows, hidden))
     gate = None if shared_gate is None else shared_gate.float().reshape(rows).contiguous()
@@ -332,12 +335,13 @@ def moe_bf16(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    rc = lib.infer_moe_bf16(x.data_ptr(), rows, hidden, inter, nexp, top_k, ptr(logits), int(routed is None),
-                            int(renormalize), float(1.0 if scaling is None else scaling), ids.data_ptr(),
+    rc = lib.infer_moe_bf16(x.data_ptr(), rows, hidden, inter, nexp, top_k, logits.data_ptr(), 1, int(renormalize),
+                            float(1.0 if scaling is None else scaling), int(scoring_func == "sigmoid"), ptr(bias),
+                            groups, keep, int(kind == "top2"), ids.data_ptr(),
                             weights.data_ptr(), w13.data_ptr(), w2.data_ptr(), ptr(b13), ptr(b2),
                             int(activation == "swiglu_oai"), float(alpha), float(limit), ptr(shared), ptr(gate),
                             out.data_ptr(), counts.data_ptr(), torch.get_num_threads())
-    _check(rc, "moe: an expert id is out of range")
+    _check(rc, "moe: the routing's top_k or groups do not fit the experts")
     return out, counts
 
 
