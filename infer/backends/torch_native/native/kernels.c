@@ -1647,6 +1647,19 @@ static void bf16_task(const void *args, int64_t part, int64_t parts) {
 }
 #endif
 
+#if BF16_DOT
+/* several GEMVs in one parallel run (an MoE step's experts): each part takes its share of each */
+typedef struct {
+    const bf16_job *jobs;
+    int64_t count;
+} bf16_multi;
+
+static void bf16_multi_task(const void *args, int64_t part, int64_t parts) {
+    const bf16_multi *m = (const bf16_multi *)args;
+    for (int64_t i = 0; i < m->count; i++) bf16_task(&m->jobs[i], part, parts);
+}
+#endif
+
 int infer_bf16_dot(void) { return BF16_DOT; }
 
 int infer_bf16_gemv(const uint16_t *x, int64_t xs, int64_t rows, int64_t k, const uint16_t *w, uint16_t *y,
@@ -1755,59 +1768,68 @@ int infer_moe_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t inte
         if (ids[p] < 0 || ids[p] >= nexp) return -1;
         counts[ids[p]]++;
     }
-    int64_t most = 0;
-    for (int64_t e = 0; e < nexp; e++) most = counts[e] > most ? counts[e] : most;
-    /* scratch: one expert's rows of x, gate_up, act; every pair's y */
-    uint16_t *xs = (uint16_t *)malloc(sizeof(uint16_t) * (most * (hidden + 3 * inter) + pairs * hidden + 1));
-    int64_t *pair_of = (int64_t *)malloc(sizeof(int64_t) * (most + 1));
-    if (!xs || !pair_of) {
-        free(xs), free(pair_of);
+    /* the pairs sorted by expert (counting sort: stable), each expert's rows one slice */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (nexp + 1 + 2 * pairs));
+    uint16_t *xs = (uint16_t *)malloc(sizeof(uint16_t) * pairs * (2 * hidden + 3 * inter));
+    bf16_job *jobs = (bf16_job *)malloc(sizeof(bf16_job) * nexp);
+    if (!first || !xs || !jobs) {
+        free(first), free(xs), free(jobs);
         return -2;
     }
-    uint16_t *gu = xs + most * hidden, *a = gu + most * 2 * inter, *y = a + most * inter;
-    int rc = 0;
-    for (int64_t e = 0; rc == 0 && e < nexp; e++) {
-        if (!counts[e]) continue;
-        int64_t n = 0;
+    int64_t *sorted = first + nexp + 1, *place = sorted + pairs; /* sorted[i]: a pair; place[pair]: its row */
+    first[0] = 0;
+    for (int64_t e = 0; e < nexp; e++) first[e + 1] = first[e] + counts[e];
+    for (int64_t e = 0, i = 0; e < nexp; e++)
         for (int64_t p = 0; p < pairs; p++)
-            if (ids[p] == e) {
-                pair_of[n] = p;
-                memcpy(xs + n * hidden, x + (p / top_k) * hidden, sizeof(uint16_t) * hidden);
-                n++;
+            if (ids[p] == e) sorted[i] = p, place[p] = i, i++;
+    uint16_t *gu = xs + pairs * hidden, *a = gu + pairs * 2 * inter, *ys = a + pairs * inter;
+    for (int64_t i = 0; i < pairs; i++) memcpy(xs + i * hidden, x + (sorted[i] / top_k) * hidden, sizeof(uint16_t) * hidden);
+    /* gate_up of every chosen expert in one parallel run, each part taking its share of each */
+    int64_t njobs = 0;
+    for (int64_t e = 0; e < nexp; e++)
+        if (counts[e])
+            jobs[njobs++] = (bf16_job){xs + first[e] * hidden, hidden, counts[e], hidden,
+                                       w13 + e * 2 * inter * hidden, 2 * inter, gu + first[e] * 2 * inter};
+    bf16_multi multi = {jobs, njobs};
+    int64_t parts = threads < 1 ? 1 : threads;
+    if (parts > 2 * inter / 64) parts = 2 * inter / 64 > 0 ? 2 * inter / 64 : 1;
+    pool_run(bf16_multi_task, &multi, parts);
+    for (int64_t e = 0; b13 && e < nexp; e++)
+        add_bias_bf16(gu + first[e] * 2 * inter, counts[e], 2 * inter, b13 + e * 2 * inter);
+    int rc = 0;
+    if (act == 0) {
+        rc = infer_silu_and_mul_bf16(gu, 2 * inter, a, pairs, inter);
+    } else {
+        for (int64_t r = 0; r < pairs; r++)
+            for (int64_t i = 0; i < inter; i++) {
+                float g = bf16_load(gu[r * 2 * inter + i]), u = bf16_load(gu[r * 2 * inter + inter + i]);
+                g = g < limit ? g : limit;
+                u = u < -limit ? -limit : u > limit ? limit : u;
+                a[r * inter + i] = bf16_store((u + 1.0f) * (g / (1.0f + exp_f32(-g * alpha))));
             }
-        rc = infer_bf16_gemv(xs, hidden, n, hidden, w13 + e * 2 * inter * hidden, gu, 2 * inter, threads);
-        if (rc) break;
-        if (b13) add_bias_bf16(gu, n, 2 * inter, b13 + e * 2 * inter);
-        if (act == 0) {
-            rc = infer_silu_and_mul_bf16(gu, 2 * inter, a, n, inter);
-        } else {
-            for (int64_t r = 0; r < n; r++)
-                for (int64_t i = 0; i < inter; i++) {
-                    float g = bf16_load(gu[r * 2 * inter + i]), u = bf16_load(gu[r * 2 * inter + inter + i]);
-                    g = g < limit ? g : limit;
-                    u = u < -limit ? -limit : u > limit ? limit : u;
-                    a[r * inter + i] = bf16_store((u + 1.0f) * (g / (1.0f + exp_f32(-g * alpha))));
-                }
-        }
-        if (rc) break;
-        /* one GEMV over the expert's rows, then each row to its pair's place */
-        uint16_t *ye = xs; /* x rows are no longer needed: the down projection's output goes there */
-        rc = infer_bf16_gemv(a, inter, n, inter, w2 + e * hidden * inter, ye, hidden, threads);
-        if (rc) break;
-        if (b2) add_bias_bf16(ye, n, hidden, b2 + e * hidden);
-        for (int64_t r = 0; r < n; r++) memcpy(y + pair_of[r] * hidden, ye + r * hidden, sizeof(uint16_t) * hidden);
     }
+    /* then every expert's down projection, the same way */
+    njobs = 0;
+    for (int64_t e = 0; e < nexp; e++)
+        if (counts[e])
+            jobs[njobs++] = (bf16_job){a + first[e] * inter, inter, counts[e], inter, w2 + e * hidden * inter, hidden,
+                                       ys + first[e] * hidden};
+    multi.count = njobs;
+    parts = threads < 1 ? 1 : threads;
+    if (parts > hidden / 64) parts = hidden / 64 > 0 ? hidden / 64 : 1;
+    if (rc == 0) pool_run(bf16_multi_task, &multi, parts);
+    for (int64_t e = 0; rc == 0 && b2 && e < nexp; e++) add_bias_bf16(ys + first[e] * hidden, counts[e], hidden, b2 + e * hidden);
     for (int64_t t = 0; rc == 0 && t < rows; t++) {
         float g = shared_gate ? 1.0f / (1.0f + exp_f32(-shared_gate[t])) : 1.0f;
         for (int64_t i = 0; i < hidden; i++) {
             float acc = 0.0f;
             for (int64_t j = 0; j < top_k; j++)
-                acc += weights[t * top_k + j] * bf16_load(y[(t * top_k + j) * hidden + i]);
+                acc += weights[t * top_k + j] * bf16_load(ys[place[t * top_k + j] * hidden + i]);
             if (shared) acc += g * bf16_load(shared[t * hidden + i]);
             out[t * hidden + i] = bf16_store(acc);
         }
     }
-    free(xs), free(pair_of);
+    free(first), free(xs), free(jobs);
     return rc;
 #else
     (void)x, (void)rows, (void)hidden, (void)inter, (void)nexp, (void)top_k, (void)logits, (void)route, (void)renorm;
@@ -1829,6 +1851,7 @@ int infer_moe_bf16(const uint16_t *x, int64_t rows, int64_t hidden, int64_t inte
  *   layer[] = {wq, wa, qr (0: no q LoRA), q_a_norm, kv_a_norm, kv_b, wo, cos_sin, npos, neox,
  *              cache, nblocks, bs, half, heads, nope, rope, rank, vd, hidden, eps, scale (float32 bits)}
  *   step[]  = as the attention block's */
+#if BF16_DOT
 typedef struct {
     const uint16_t *q, *rot, *kvb, *cache;
     uint16_t *att;
@@ -1839,6 +1862,17 @@ typedef struct {
     _Atomic int failed;
 } mla_job;
 
+/* sum a[i] * b[i] of two bf16 vectors: the exact products summed in float32 (vdpbf16ps) */
+static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        __mmask32 live = n - i >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (n - i)) - 1);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(live, a + i),
+                               (__m512bh)_mm512_maskz_loadu_epi16(live, b + i));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 static void mla_task(const void *args, int64_t part, int64_t parts) {
     mla_job *j = (mla_job *)args;
     int64_t lo = j->units * part / parts, hi = j->units * (part + 1) / parts;
@@ -1848,12 +1882,13 @@ static void mla_task(const void *args, int64_t part, int64_t parts) {
         int64_t b = j->row_req[u / H];
         most = b >= 0 && j->seq_lens[b] > most ? j->seq_lens[b] : most;
     }
-    float *ql = (float *)malloc(sizeof(float) * (2 * lat + r + most + 1));
+    float *ql = (float *)malloc(sizeof(float) * (2 * r + most + 1) + sizeof(uint16_t) * (lat + r));
     if (!ql) {
         atomic_store(&j->failed, 1);
         return;
     }
-    float *lf = ql + lat, *ol = lf + lat, *sc = ol + r; /* q_lat then q_pe; a key's latent; o_lat; scores */
+    float *ol = ql + r, *sc = ol + r;         /* q_lat, o_lat (float32), scores */
+    uint16_t *qb = (uint16_t *)(sc + most + 1), *ob = qb + lat; /* q_lat then q_pe; o_lat (bf16) */
     const uint16_t *plane1 = j->cache + j->nslots * j->half;
     for (int64_t u = lo; u < hi; u++) {
         int64_t t = u / H, h = u % H, b = j->row_req[t];
@@ -1867,15 +1902,17 @@ static void mla_task(const void *args, int64_t part, int64_t parts) {
             const uint16_t *row = wuk + i * r;
             for (int64_t e = 0; e < r; e++) ql[e] += a * bf16_load(row[e]);
         }
-        for (int64_t e = 0; e < r; e++) ql[e] = bf16_load(bf16_store(ql[e]));
-        for (int64_t e = 0; e < p; e++) ql[r + e] = bf16_load(qp[e]);
+        for (int64_t e = 0; e < r; e++) qb[e] = bf16_store(ql[e]);
+        memcpy(qb + r, qp, sizeof(uint16_t) * p);
         const int32_t *bt = j->block_table + b * j->bt_stride;
+        int64_t hf = j->half; /* a latent [c, k_pe] is k0 (its first hf values) then k1 */
         float m = -INFINITY;
         for (int64_t s = 0; s < nkeys; s++) {
             int64_t slot = (int64_t)bt[s / j->bs] * j->bs + s % j->bs;
-            const uint16_t *k0 = j->cache + slot * j->half, *k1 = plane1 + slot * j->half;
-            for (int64_t e = 0; e < j->half; e++) lf[e] = bf16_load(k0[e]), lf[j->half + e] = bf16_load(k1[e]);
-            sc[s] = (dot_fma(ql, lf, r) + dot_fma(ql + r, lf + r, p)) * j->scale;
+            const uint16_t *k0 = j->cache + slot * hf, *k1 = plane1 + slot * hf;
+            /* q_lat . c + q_pe . k_pe, the two sums as the torch ops form them */
+            float qc = dot_bf16(qb, k0, hf) + dot_bf16(qb + hf, k1, r - hf);
+            sc[s] = (qc + dot_bf16(qb + r, k1 + r - hf, p)) * j->scale;
             m = sc[s] > m ? sc[s] : m;
         }
         float sum = 0.0f;
@@ -1883,21 +1920,19 @@ static void mla_task(const void *args, int64_t part, int64_t parts) {
         for (int64_t e = 0; e < r; e++) ol[e] = 0.0f;
         for (int64_t s = 0; s < nkeys; s++) {
             int64_t slot = (int64_t)bt[s / j->bs] * j->bs + s % j->bs;
-            const uint16_t *k0 = j->cache + slot * j->half, *k1 = plane1 + slot * j->half;
+            const uint16_t *k0 = j->cache + slot * hf, *k1 = plane1 + slot * hf;
             float w = sc[s] / sum;
-            for (int64_t e = 0; e < r; e++) ol[e] += w * bf16_load(e < j->half ? k0[e] : k1[e - j->half]);
+            for (int64_t e = 0; e < hf; e++) ol[e] += w * bf16_load(k0[e]);
+            for (int64_t e = hf; e < r; e++) ol[e] += w * bf16_load(k1[e - hf]);
         }
-        for (int64_t e = 0; e < r; e++) ol[e] = bf16_load(bf16_store(ol[e]));
+        for (int64_t e = 0; e < r; e++) ob[e] = bf16_store(ol[e]);
         uint16_t *o = j->att + (t * H + h) * vd;
-        for (int64_t v = 0; v < vd; v++) {
-            const uint16_t *row = wuv + v * r;
-            float acc = 0.0f;
-            for (int64_t e = 0; e < r; e++) acc += ol[e] * bf16_load(row[e]);
-            o[v] = bf16_store(acc);
-        }
+        for (int64_t v = 0; v < vd; v++) o[v] = bf16_store(dot_bf16(ob, wuv + v * r, r));
     }
     free(ql);
 }
+
+#endif
 
 int infer_mla_block_bf16(const uint16_t *x, int64_t rows, const int64_t *positions, const int64_t *a,
                          const int64_t *m, uint16_t *out, int64_t threads) {

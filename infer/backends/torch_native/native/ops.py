@@ -576,6 +576,8 @@ def mla_block_layer(down: DenseNative, up: DenseNative, o: DenseNative, q_a_norm
             or up.shape != (heads * (n + p), qr or hidden) or o.shape != (hidden, heads * vd)):
         return None
     half = (r + p) // 2
+    if r < half:  # the kernel reads c as the first plane and the start of the second
+        return None
     if kv_cache.dtype != dtype or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (1, half) \
             or not kv_cache.is_contiguous() or not kv_cache.is_cpu or 2 * half != r + p:
         return None
