@@ -536,6 +536,12 @@ def attention_block_step(meta):
     return _pack(values, (bt, qsl, seq, slots))
 
 
+def _step_rows(positions: torch.Tensor, step: Packed, rows: int) -> bool:
+    """Whether a fused attention call's positions and the step's slots are for its `rows` rows."""
+    return (positions.dtype == torch.int64 and positions.is_contiguous() and positions.shape == (rows,)
+            and step.keep[3].shape == (rows,))
+
+
 def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Packed, work: int,
                     request_keys: int = -1):
     """The attention node (qkv projection, rotary, kv_write, attention, o projection) for the
@@ -545,8 +551,7 @@ def attention_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, ste
             or not _attention_fits(work, request_keys, layer.bf16_attention):
         return None
     rows = x.shape[0]
-    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,) \
-            or step.keep[3].shape != (rows,):
+    if not _step_rows(positions, step, rows):
         return None
     out = torch.empty((rows, layer.hidden), dtype=x.dtype)
     rc = _fn(lib, "attention_block_packed", x.dtype)(x.data_ptr(), rows, positions.data_ptr(), layer.array.data_ptr(),
@@ -604,8 +609,7 @@ def mla_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Pac
             or row_keys * layer.heads * layer.latent > MAX_ATTENTION_WORK:
         return None
     rows = x.shape[0]
-    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != (rows,) \
-            or step.keep[3].shape != (rows,):
+    if not _step_rows(positions, step, rows):
         return None
     out = torch.empty((rows, layer.hidden), dtype=x.dtype)
     _check(lib.infer_mla_block_bf16(x.data_ptr(), rows, positions.data_ptr(), layer.array.data_ptr(),
