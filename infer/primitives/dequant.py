@@ -41,7 +41,8 @@ def dequantize(w: WeightHandle, rows: np.ndarray | None = None) -> np.ndarray:
         return q * _groups(q, pick(w.scales), w.group_size) + _groups(q, pick(w.offsets), w.group_size)
     if isinstance(w, Int8GroupWeight):
         q = pick(w.qweight).astype(np.float64)
-        return q * _groups(q, pick(w.scales), w.group_size)
+        out = q * _groups(q, pick(w.scales), w.group_size)
+        return out if w.offsets is None else out + _groups(q, pick(w.offsets), w.group_size)
     if isinstance(w, Fp8Weight):
         q = e4m3_decode(pick(w.qweight)).astype(np.float64)
         scales = np.asarray(w.scales, dtype=np.float64)

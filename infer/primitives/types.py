@@ -355,9 +355,13 @@ class Int4GroupWeight(_QuantizedWeight):
 
 @dataclass(slots=True)
 class Int8GroupWeight(_QuantizedWeight):
-    """8-bit weight ``[N, K]``: ``w[n, k] = q[n, k] * scales[n, k // G]`` (GGUF Q8_0: G = 32).
+    """8-bit weight ``[N, K]``: ``w[n, k] = q[n, k] * scales[n, k // G] (+ offsets[n, k // G])``.
 
-      qweight  [N, K] int8.   scales [N, K/G] float32.
+    Symmetric without offsets (GGUF Q8_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS,
+    MXFP4's doubled E2M1 codes), affine with them (Q5_1's ``d * q + m``,
+    Q5_K's sub-block mins).
+
+      qweight  [N, K] int8.   scales [N, K/G] float32.   offsets None or [N, K/G] float32.
     """
 
     kind: ClassVar[str] = "int8_group"
@@ -367,6 +371,7 @@ class Int8GroupWeight(_QuantizedWeight):
     bias: Any = None
     dtype: str = "float32"
     prepared: Any = field(default=None, repr=False)
+    offsets: Any = None  # last, so positional construction (q, scales, G, bias, dtype) keeps its meaning
 
 
 @dataclass(slots=True)

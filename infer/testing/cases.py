@@ -169,16 +169,20 @@ _SAMPLE_SPECS = [
 ]
 
 
-# Quantized weights (GGUF Q4_0/Q4_1/Q8_0, AWQ, GPTQ, fp8): 1, a few and many
+# Quantized weights (GGUF's block types, AWQ, GPTQ, fp8): 1, a few and many
 # rows, since backends switch kernels with the row count; N=40 is not a
 # multiple of 16, which packed int4 kernels need.
 _QUANT_LINEAR_SPECS = [
-    *[(f"{q}_{name}", dict(spec, quant=q)) for q in ("int4", "int8", "fp8") for name, spec in (
+    *[(f"{q}_{name}", dict(spec, quant=q)) for q in ("int4", "int8", "int8_offset", "fp8") for name, spec in (
         ("one_token", dict(t=1, k=64, n=48)), ("t5_bias", dict(t=5, k=64, n=48, bias=True)),
         ("t40", dict(t=40, k=96, n=32)), ("empty_batch", dict(t=0, k=64, n=48)))],
     ("int4_g128_k256_n48", dict(t=3, k=256, n=48, quant="int4", group=128)),
     ("int4_g64_n40", dict(t=2, k=128, n=40, quant="int4", group=64)),
     ("int8_g64_t3", dict(t=3, k=128, n=48, quant="int8", group=64)),
+    # Groups of 16 (GGUF Q6_K, Q3_K): under some kernels' minimum group.
+    ("int8_g16_t1", dict(t=1, k=64, n=48, quant="int8", group=16)),
+    ("int8_g16_t40_bias", dict(t=40, k=96, n=32, quant="int8", group=16, bias=True)),
+    ("int8_offset_g16_t3", dict(t=3, k=64, n=40, quant="int8_offset", group=16)),
     ("fp8_per_tensor", dict(t=5, k=64, n=48, quant="fp8_tensor", bias=True)),
 ]
 
@@ -190,6 +194,7 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("tokens7", dict(t=7)), ("ids_int32", dict(t=7, id_dtype="int32")),
         ("one_token", dict(t=1)), ("empty_batch", dict(t=0)),
         ("int8_table", dict(t=7, quant="int8")), ("int4_table", dict(t=7, quant="int4")),
+        ("int8_offset_table", dict(t=7, quant="int8_offset")),
         ("fp8_table", dict(t=7, quant="fp8")),
     ])
     cases += _each_dtype("rms_norm", [

@@ -15,7 +15,7 @@ import numpy as np
 from ..primitives.fp8 import e4m3_encode
 from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 
-QUANT_KINDS = ("int4", "int8", "fp8", "fp8_tensor")
+QUANT_KINDS = ("int4", "int8", "int8_offset", "fp8", "fp8_tensor")
 
 
 def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int = 32) -> dict[str, Any]:
@@ -31,6 +31,11 @@ def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int
         scales = rng.uniform(0.5, 1.5, (n, k // group)) * k**-0.5 / 64
         return {"kind": quant, "qweight": rng.integers(-127, 128, (n, k), dtype=np.int8),
                 "scales": scales.astype(np.float32), "group_size": group}
+    if quant == "int8_offset":  # GGUF Q5_1 / Q5_K's form: d * q + m with q in 0..31, m about -16 d
+        scales = rng.uniform(0.5, 1.5, (n, k // group)) * k**-0.5 / 8
+        offsets = -scales * rng.uniform(13.0, 18.0, (n, k // group))
+        return {"kind": quant, "qweight": rng.integers(0, 32, (n, k), dtype=np.int8),
+                "scales": scales.astype(np.float32), "offsets": offsets.astype(np.float32), "group_size": group}
     if quant in ("fp8", "fp8_tensor"):
         codes = e4m3_encode(rng.standard_normal((n, k)) * 64.0)
         count = 1 if quant == "fp8_tensor" else n
@@ -47,4 +52,6 @@ def handle(fields: dict[str, Any], asarray, bias: Any, dtype: str) -> WeightHand
         return Int4GroupWeight(q, s, asarray(fields["offsets"]), fields["group_size"], bias, dtype)
     if kind == "int8":
         return Int8GroupWeight(q, s, fields["group_size"], bias, dtype)
+    if kind == "int8_offset":
+        return Int8GroupWeight(q, s, fields["group_size"], bias, dtype, offsets=asarray(fields["offsets"]))
     return Fp8Weight(q, s, bias, dtype)

@@ -9,8 +9,8 @@ planner's SmoothGEMM Token-Table (`infer.core.xy_plan.linear_table`).
 
 npu_weight_quant_batchmatmul takes K and N in [1, 65535]: a quantized weight
 is prepared as column chunks of at most `N_CHUNK` outputs (a 152k-vocabulary
-lm_head is three products per row tile), and one with K > 65535 runs torch's
-quantized linear instead.
+lm_head is three products per row tile), and one with K > 65535 or groups the
+op refuses (not a multiple of 32) runs torch's quantized linear instead.
 """
 
 from __future__ import annotations
@@ -61,25 +61,48 @@ class QuantChunks:
     parts: tuple[WeightQuant, ...]
 
 
+def wqbmm_takes(w: WeightHandle) -> bool:
+    """Whether npu_weight_quant_batchmatmul's documented constraints admit `w`: K and N in
+    [1, 65535] (N is cut into chunks) and groups a multiple of 32, or one group spanning K.
+    Others (GGUF Q6_K and Q3_K's groups of 16, K past the limit) run torch's quantized linear."""
+    g = getattr(w, "group_size", 0)
+    return w.in_features <= MAX_KN and (g >= w.in_features or g % 32 == 0)
+
+
+def _centred(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, g: int):
+    """``q * s + o`` as ``(q' + o') * s'`` with int8 q' = q - c and a small o' = c + o / s:
+    the op rounds o' to the activation dtype, so each group's integer centre c = round(-o / s)
+    (clamped so that every q - c of the group fits int8) moves the bulk of the offset
+    into the exact integers. A group whose scale is 0 (all its weights equal o) becomes
+    q' = 0, scale o, offset 1, which is exact."""
+    n, k = q.shape
+    flat = scale == 0
+    ratio = offset / torch.where(flat, 1.0, scale)
+    grouped = q.view(n, -1, g).to(torch.int32)
+    qmin, qmax = grouped.amin(-1), grouped.amax(-1)
+    c = torch.round(-ratio).clamp(min=qmax.float() - 127, max=qmin.float() + 128).to(torch.int32)
+    c = torch.where(flat, 0, c)
+    q = (grouped - c[..., None]).view(n, k).to(torch.int8)
+    q = q.masked_fill(flat.repeat_interleave(g, dim=1)[:, :k], 0)
+    new_offset = torch.where(flat, torch.ones_like(offset), c.float() + ratio)
+    return q, torch.where(flat, offset, scale), new_offset
+
+
 def prepare_weight(w: WeightHandle) -> WeightHandle:
-    """int8 group (Q8_0): ``q * s``. int4 group: ``q * s + o`` = ``((q - 8) + (8 + o / s)) * s``,
-    q - 8 carried as int8. Centred, the offset the op rounds to the activation dtype is small
-    (0 for GPTQ/AWQ zero points of 8, about 0.5 for GGUF Q4_1's minimum), so its rounding error
-    is too. A group whose scale is 0 (all its weights equal o) becomes q - 8 = 0, scale o,
-    offset 1, which is exact."""
-    if isinstance(w, DenseWeight) or w.prepared is not None or w.in_features > MAX_KN:
-        return w  # K > 65535: torch's quantized linear runs it (see _quant_linear)
+    """int8 group (Q8_0, Q5_0, Q6_K ...): ``q * s``, with offsets ``(q' + o') * s`` (`_centred`).
+    int4 group: ``q * s + o``, the nibbles as int8 and centred the same way (0 for GPTQ/AWQ
+    zero points of 8, about 0.5 for GGUF Q4_1's minimum), so the offset's rounding error is small."""
+    if isinstance(w, DenseWeight) or w.prepared is not None or not wqbmm_takes(w):
+        return w  # torch's quantized linear runs it (see _quant_linear)
     dtype = TORCH_DTYPES[w.dtype]
     n, k, g = w.out_features, w.in_features, w.group_size
     if isinstance(w, Int8GroupWeight):
         q, scale, offset = w.qweight.to(torch.int8), w.scales.float(), None
+        if w.offsets is not None:
+            q, scale, offset = _centred(q, scale, w.offsets.float(), g)
     elif isinstance(w, Int4GroupWeight):
-        q = torch.stack((w.qweight & 15, w.qweight >> 4), -1).view(n, k).to(torch.int8) - 8
-        scale, offset = w.scales.float(), w.offsets.float()
-        flat = scale == 0
-        q = q.masked_fill(flat.repeat_interleave(g, dim=1)[:, :k], 0)
-        offset = torch.where(flat, torch.ones_like(offset), 8 + offset / torch.where(flat, 1.0, scale))
-        scale = torch.where(flat, w.offsets.float(), scale)
+        q = torch.stack((w.qweight & 15, w.qweight >> 4), -1).view(n, k).to(torch.int8)
+        q, scale, offset = _centred(q, w.scales.float(), w.offsets.float(), g)
     else:
         raise TypeError(f"ascend linear: no npu_weight_quant_batchmatmul form for {w.kind!r} weights")
     group = 0 if g >= k else g  # one group spanning K: per channel
@@ -115,7 +138,7 @@ def tiled_linear(x: torch.Tensor, weight: WeightHandle, m_tile: int) -> torch.Te
 
 
 def _quant_linear(x: torch.Tensor, weight: WeightHandle, m_tile: int) -> torch.Tensor:
-    if weight.in_features > MAX_KN:
+    if not wqbmm_takes(weight):
         return torch_quant.linear(x, weight)
     p = weight.prepared
     if not isinstance(p, QuantChunks):

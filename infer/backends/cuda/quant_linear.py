@@ -9,7 +9,8 @@ is read at its stored width.
 
 * int4 group (`Int4GroupWeight`: GGUF Q4_0/Q4_1, AWQ, GPTQ): byte ``k // 2`` of
   a row holds k's nibble (low for even k), ``w = q * scale + offset``.
-* int8 group (`Int8GroupWeight`: Q8_0): ``w = q * scale``.
+* int8 group (`Int8GroupWeight`: Q8_0, Q5_0, Q6_K, ...): ``w = q * scale``,
+  ``+ offset`` where the handle has offsets (Q5_1, Q5_K).
 * fp8 (`Fp8Weight`): e4m3fn codes decoded exactly (`fp8.py`: the hardware
   conversion on sm_89+, three integer ops per code before), the tile fed to
   `tl.dot` unscaled; the one scale per row or per tensor multiplies the
@@ -72,7 +73,7 @@ def _grouped(q, s_ptr, o_ptr, rows, n_ok, k0, K, stride_sn, GROUP: tl.constexpr,
 @triton.jit
 def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, KQ, stride_xt, stride_qn, stride_sn,
                          stride_out, KIND: tl.constexpr, GROUP: tl.constexpr, PER_TENSOR: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, F32: tl.constexpr, FP8_NATIVE: tl.constexpr,
                          FP8_RESCALE: tl.constexpr):
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
@@ -94,7 +95,8 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, KQ
             w = _grouped(q, s_ptr, o_ptr, ns, n_ok, k0, K, stride_sn, GROUP, True, BLOCK_N, BLOCK_K)
         elif KIND == 1:
             q = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            w = _grouped(q.to(tl.float32), s_ptr, s_ptr, ns, n_ok, k0, K, stride_sn, GROUP, False, BLOCK_N, BLOCK_K)
+            w = _grouped(q.to(tl.float32), s_ptr, o_ptr, ns, n_ok, k0, K, stride_sn, GROUP, HAS_OFFSET, BLOCK_N,
+                         BLOCK_K)
         else:
             # The code's value (times 2^-8 without FP8_NATIVE), exact in any dtype: the
             # per-row scale multiplies the finished dot products below.
@@ -150,7 +152,8 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
     if x.stride(-1) != 1:
         x = x.contiguous()
     q, scales = w.qweight, w.scales
-    offsets = w.offsets if isinstance(w, Int4GroupWeight) else scales  # unread unless int4
+    has_offset = getattr(w, "offsets", None) is not None
+    offsets = w.offsets if has_offset else scales  # unread without HAS_OFFSET
     group = w.group_size if isinstance(w, (Int4GroupWeight, Int8GroupWeight)) else 1
     per_tensor = isinstance(w, Fp8Weight) and scales.numel() == 1
     native = isinstance(w, Fp8Weight) and native_fp8(x.device)
@@ -162,7 +165,7 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
     _quant_linear_kernel[grid](
         x, q, scales, offsets, bias, out, t, n, k, q.shape[1], x.stride(0), q.stride(0),
         scales.stride(0) if scales.dim() > 1 or not per_tensor else 0, out.stride(0),
-        KIND=KINDS[w.kind], GROUP=group, PER_TENSOR=per_tensor, HAS_BIAS=w.bias is not None,
+        KIND=KINDS[w.kind], GROUP=group, PER_TENSOR=per_tensor, HAS_OFFSET=has_offset, HAS_BIAS=w.bias is not None,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, F32=compute_f32(x.dtype),
         FP8_NATIVE=native, FP8_RESCALE=fp8_rescale(native), num_warps=warps)
     return out

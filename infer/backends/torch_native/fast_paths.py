@@ -16,7 +16,7 @@ from . import fp8_kv
 from . import moe as torch_moe
 from .attention import LazyPlan
 from .native import ops as native
-from .quant_linear import Int4Prepared, native_int4_takes
+from .quant_linear import Int4Prepared, native_int4_takes, offset_term
 
 
 def _served(result):
@@ -68,6 +68,8 @@ def linear(x, weight):
     if isinstance(weight, Int8GroupWeight) and 0 < t <= native.INT8_GEMV_MAX_ROWS:
         y = native.int8_gemv(x, weight.qweight, weight.scales, weight.group_size)
         if y is not None:
+            if weight.offsets is not None:
+                y += offset_term(x, weight)
             return (y if weight.bias is None else y + weight.bias.float()).to(x.dtype)
     return NotImplemented
 

@@ -142,6 +142,8 @@ def dequantize(w: WeightHandle, rows: slice | torch.Tensor = slice(None)) -> tor
     if isinstance(w, Int8GroupWeight):
         q = w.qweight[rows]
         q = q.view(q.shape[0], -1, w.group_size).to(torch.float32)
+        if w.offsets is not None:
+            return torch.addcmul(w.offsets[rows][..., None], q, w.scales[rows][..., None]).view(q.shape[0], -1)
         return (q * w.scales[rows][..., None]).view(q.shape[0], -1)
     if isinstance(w, Fp8Weight):
         q = w.qweight[rows].view(torch.float8_e4m3fn).to(torch.float32)
@@ -250,9 +252,18 @@ def _int8_grouped(x: torch.Tensor, w: Int8GroupWeight, p: Int8Grouped) -> torch.
     for g in range(p.q.shape[0]):
         # Each group's partial product is summed in float32: only the result is rounded to x's dtype.
         y += torch.ops.aten._weight_int8pack_mm(xg[:, g], p.q[g], p.scales[g])
+    if w.offsets is not None:
+        y += offset_term(x, w)
     if w.bias is not None:
         y += w.bias.float()
     return y.to(x.dtype)
+
+
+def offset_term(x: torch.Tensor, w: Int8GroupWeight) -> torch.Tensor:
+    """float32 ``sum_g offsets[n, g] * sum(x[:, group g])``: what an int8 weight's offsets add
+    to ``x @ (q * scales).T`` (a [T, K/G] x [K/G, N] product, small beside the GEMV)."""
+    sums = x.float().view(x.shape[0], -1, w.group_size).sum(-1)
+    return sums @ w.offsets.t()
 
 
 def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
