@@ -186,6 +186,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"first token {((first or end) - start) * 1000:.0f} ms | {n} tokens in {end - start:.2f} s"
           + (f", decode {max(n - 1, 0) / decode_s:.1f} tok/s" if decode_s > 0 else "")
           + f" | finish: {comp.finish_reason}", file=sys.stderr)
+    for line in getattr(getattr(engine.worker, "runner", None), "load_report", ()):
+        if not line.startswith("warning: "):  # warnings were logged at load
+            print(line, file=sys.stderr)
     if engine.dispatch_trace is not None:
         print(f"dispatch on backend '{engine.backend.name}' (node, call, implementation, calls):", file=sys.stderr)
         print(engine.dispatch_trace.format(), file=sys.stderr)

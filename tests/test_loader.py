@@ -245,8 +245,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, arch: str, path, qtype=None, extra_tensors=()):
-    """Convert a transformers model to GGUF like llama.cpp: its names, its q/k permutation, its metadata."""
+def write_gguf(model, arch: str, path, qtype=None, extra_tensors=(), raw=None):
+    """Convert a transformers model to GGUF like llama.cpp: its names, its q/k permutation, its metadata.
+    `raw`: {HF name: (ggml blocks [rows, bytes], type)} written as given instead (already permuted)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
     head_dim = hf_field(c, "head_dim")
@@ -266,7 +267,9 @@ def write_gguf(model, arch: str, path, qtype=None, extra_tensors=()):
         elif arch == "llama" and base.endswith("k_proj"):
             value = llama_cpp_permute(value, c.num_key_value_heads)
         gguf_name = f"{names.get_name(base)}.{suffix}"
-        if qtype is not None and value.ndim == 2:
+        if raw and name in raw:
+            w.add_tensor(gguf_name, raw[name][0], raw_dtype=raw[name][1])
+        elif qtype is not None and value.ndim == 2:
             w.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, value)

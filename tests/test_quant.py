@@ -21,7 +21,7 @@ from infer.core.model_runner import ModelRunner
 from infer.core.quant_params import concat_rows
 from infer.core.models.llama import build_llama
 from infer.primitives.fp8 import E4M3_MAX, e4m3_decode, e4m3_encode
-from infer.primitives.types import Fp8Weight, Int8GroupWeight
+from infer.primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight
 from infer.dispatch import Ops
 from infer.registry import get_backend
 from infer.testing.cases import all_cases
@@ -191,13 +191,47 @@ def _fp8(rows: int, cols: int = 64):
     return Fp8Weight(np.random.default_rng(rows).integers(0, 120, (rows, cols)).astype(np.uint8), np.ones(rows, np.float32))
 
 
-@pytest.mark.parametrize("parts", [[_int8(4, 32), _int8(2, 64)], [_int8(4, 32), _fp8(2)], [_fp8(4), _int8(2, 32)],
-                                   [_int8(4, 32), _int8(2, 32), _fp8(2)], [_int8(4, 32), _fp8(2), _int8(2, 32)]],
-                         ids=["group-sizes", "int8-fp8", "fp8-int8", "third-differs", "second-differs"])
-def test_fusing_quantized_weights_of_different_formats_is_refused(parts):
-    """q/k/v (gate/up) fuse by row concatenation only when every part has the first one's format."""
-    with pytest.raises(ValueError, match="cannot fuse a"):
-        concat_rows(parts)
+def _int4(rows: int, group_size: int, cols: int = 64):
+    rng = np.random.default_rng(rows + 100)
+    return Int4GroupWeight(rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8),
+                           rng.random((rows, cols // group_size), dtype=np.float32),
+                           -rng.random((rows, cols // group_size), dtype=np.float32), group_size)
+
+
+def _offsets(w: Int8GroupWeight) -> Int8GroupWeight:
+    return dataclasses.replace(w, offsets=-np.abs(w.scales) * 16)
+
+
+@pytest.mark.parametrize("parts, kind, group", [
+    ([_int8(4, 32), _int8(2, 64)], Int8GroupWeight, 32),
+    ([_int4(4, 32), _int4(2, 32), _int8(2, 16)], Int8GroupWeight, 16),  # a K-quant mix: Q4_K q/k, Q6_K v
+    ([_int8(4, 32), _offsets(_int8(2, 32)), _int8(3, 32)], Int8GroupWeight, 32),  # Q8_0 beside Q5_1
+    ([_int4(4, 64), _int4(2, 32)], Int4GroupWeight, 32),
+    ([_int8(4, 32), _fp8(2)], np.ndarray, None), ([_fp8(4), _int4(2, 32)], np.ndarray, None),
+    ([_int8(4, 32), np.ones((2, 64), np.float32)], np.ndarray, None),  # a float part (a type with no kept form)
+    ([_int8(4, 16), _int8(2, 32)], Int8GroupWeight, 16),
+], ids=["group-sizes", "int4-int8-g16", "some-offsets", "int4-groups", "int8-fp8", "fp8-int4", "float-part",
+        "g16-g32"])
+def test_fusing_weights_of_different_formats_keeps_exactly_their_matrix(parts, kind, group):
+    """q/k/v (gate/up) of different block types (what K-quant mixes write) fuse into one
+    handle standing for exactly the parts' matrices, or one float32 matrix where no kept
+    form holds them all."""
+    fused = concat_rows(parts, "model.layers.0.self_attn.qkv_proj.weight")
+    want = np.concatenate([dequantize(p) if not isinstance(p, np.ndarray) else p for p in parts]).astype(np.float32)
+    assert isinstance(fused, kind)
+    if kind is np.ndarray:
+        np.testing.assert_array_equal(fused, want)
+        return
+    assert fused.group_size == group
+    np.testing.assert_array_equal(dequantize(fused).astype(np.float32), want)
+
+
+def test_fusing_groups_that_do_not_divide_each_other_dequantizes_with_a_warning(caplog):
+    parts = [_int8(4, 32, cols=96), _int8(2, 48, cols=96)]
+    with caplog.at_level("WARNING", logger="infer"):
+        fused = concat_rows(parts, "qkv")
+    assert isinstance(fused, np.ndarray) and "qkv: its parts are stored as int8_group, int8_group" in caplog.text
+    np.testing.assert_array_equal(fused, np.concatenate([dequantize(p) for p in parts]).astype(np.float32))
 
 
 def test_fusing_quantized_weights_concatenates_every_per_row_field():

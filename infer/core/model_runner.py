@@ -71,6 +71,7 @@ class ModelRunner:
         # KV caches exist for these only, in this order.
         self.layers = sorted({n.layer for n in program.graph.nodes if n.op == "attention"})
         self.kv_groups = kv_groups or plan_kv_groups(dict.fromkeys(self.layers), hybrid=False)
+        self.load_report: list[str] = []  # the loader's lines (`LazyWeights.report`), set by build_model
         self.kv_caches: list[Any] = []
         self.kv_tier = None  # the host tier's store (`allocate_kv_tier`), when the engine has one
         self.contexts: dict[int, LayerContext] = {}
@@ -149,10 +150,14 @@ class ModelRunner:
             if p.offset:
                 raise ValueError(f"{name}: a quantized checkpoint tensor cannot take the offset {p.offset} "
                                  "this architecture adds to it")
-            handle = quant_params.concat_rows(parts)
-            if p.pad_rows:
-                handle = quant_params.pad_rows(handle, p.pad_rows)
-            return quant_params.to_backend(handle, self.backend, self.dtype, p.shape, name)
+            handle = quant_params.concat_rows(parts, name)
+            if isinstance(handle, WeightHandle):
+                if p.pad_rows:
+                    handle = quant_params.pad_rows(handle, p.pad_rows)
+                return quant_params.to_backend(handle, self.backend, self.dtype, p.shape, name)
+            if hasattr(weights, "note_dequantized"):  # its parts share no quantized form: float (the load report)
+                weights.note_dequantized(p.sources)
+            parts = [handle]
         arr = np.concatenate([np.asarray(x) for x in parts]) if len(parts) > 1 else parts[0]
         if p.offset:
             arr = np.asarray(arr, dtype=np.float32) + np.float32(p.offset)
@@ -487,5 +492,5 @@ def _read_pieces(weights: Mapping[str, Any], source: str, spec):
         if axis != 0:
             raise ValueError(f"{source}: a quantized tensor is sharded by rows or by one column range, "
                              f"not by {len(pieces)} column ranges")
-        return quant_params.concat_rows(pieces)
+        return quant_params.concat_rows(pieces, source)
     return np.concatenate(pieces, axis=axis)

@@ -11,29 +11,45 @@ float weights here as well.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..primitives.dequant import dequantize, unpack_int4
 from ..primitives.fp8 import quantize_per_channel
-from ..primitives.types import Fp8Weight, WeightHandle
+from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 
 # Per-row fields of the quantized handles (everything else is per tensor).
 _ROW_FIELDS = ("qweight", "scales", "offsets", "bias")
 QUANTIZATIONS = ("auto", "none", "fp8")
 
 
-def concat_rows(parts: Sequence[WeightHandle]) -> WeightHandle:
-    """One handle whose rows are the parts' rows in order (they must share a format)."""
+def concat_rows(parts: Sequence[Any], what: str = "a fused weight") -> WeightHandle | np.ndarray:
+    """One matrix whose rows are the parts' rows in order (q/k/v into qkv, gate/up into gate_up).
+
+    Parts of one format concatenate field by field. K-quant mixes store the parts of one
+    fused weight in different types (a Q4_K q beside a Q6_K v); they are brought to one
+    handle exactly (`_common_form`): int4 and int8 parts to int8, groups to the smallest
+    group. A float part beside quantized ones, fp8 beside integer formats, or groups that
+    do not divide one another: every part is dequantized to one float32 matrix (logged)."""
     first = parts[0]
     if len(parts) == 1:
         return first
-    for p in parts[1:]:
-        same = type(p) is type(first) and getattr(p, "group_size", None) == getattr(first, "group_size", None)
-        if not same:
-            raise ValueError(f"cannot fuse a {p.kind} weight with a {first.kind} one (group sizes "
-                             f"{getattr(p, 'group_size', None)} vs {getattr(first, 'group_size', None)}); "
-                             "load this checkpoint with quantization='none'")
+    handles = [p for p in parts if isinstance(p, WeightHandle)]
+    same = len(handles) == len(parts) and all(
+        type(p) is type(first) and getattr(p, "group_size", None) == getattr(first, "group_size", None)
+        and (getattr(p, "offsets", None) is None) == (getattr(first, "offsets", None) is None) for p in parts)
+    if not same:
+        common = _common_form(parts) if len(handles) == len(parts) else None
+        if common is None:
+            kinds = ", ".join(p.kind if isinstance(p, WeightHandle) else f"float {np.asarray(p).dtype}" for p in parts)
+            logging.getLogger("infer").warning("%s: its parts are stored as %s, which share no quantized form; "
+                                               "it is dequantized to float32", what, kinds)
+            return np.concatenate([np.asarray(dequantize(p), np.float32) if isinstance(p, WeightHandle)
+                                   else np.asarray(p, np.float32) for p in parts])
+        parts = common
+        first = parts[0]
     if isinstance(first, Fp8Weight) and any(np.asarray(p.scales).size == 1 for p in parts):
         # Per-tensor scales differ between q, k and v: give every row its tensor's scale.
         parts = [dataclasses.replace(p, scales=np.broadcast_to(np.asarray(p.scales, np.float32), (p.out_features,)))
@@ -47,6 +63,35 @@ def concat_rows(parts: Sequence[WeightHandle]) -> WeightHandle:
             raise ValueError(f"cannot fuse weights where only some have {f}")
         changes[f] = np.concatenate([np.asarray(v) for v in values])
     return dataclasses.replace(first, **changes)
+
+
+def _common_form(parts: Sequence[WeightHandle]) -> list[WeightHandle] | None:
+    """The parts as handles of one kind and group standing for the same matrices, or None.
+
+    Integer group formats only: int4 q (0..15) is an int8 q with the same scales and offsets;
+    a group of G is G / g groups of the smallest g with its scale (and offset) repeated; a
+    part without offsets gets zero ones where another part has them. Costs bytes (an int4
+    part in int8 doubles its codes), never exactness."""
+    if not all(isinstance(p, (Int4GroupWeight, Int8GroupWeight)) for p in parts):
+        return None
+    group = min(p.group_size for p in parts)
+    if any(p.group_size % group for p in parts):
+        return None
+    to_int8 = any(isinstance(p, Int8GroupWeight) for p in parts)
+    with_offsets = to_int8 and any(getattr(p, "offsets", None) is not None for p in parts)
+    out = []
+    for p in parts:
+        r = p.group_size // group
+        scales = np.repeat(np.asarray(p.scales, np.float32), r, axis=1)
+        offsets = None if p.offsets is None else np.repeat(np.asarray(p.offsets, np.float32), r, axis=1)
+        if not to_int8:
+            out.append(dataclasses.replace(p, scales=scales, offsets=offsets, group_size=group))
+            continue
+        q = unpack_int4(p.qweight).astype(np.int8) if isinstance(p, Int4GroupWeight) else np.asarray(p.qweight)
+        if with_offsets and offsets is None:
+            offsets = np.zeros_like(scales)
+        out.append(Int8GroupWeight(q, scales, group, p.bias, p.dtype, offsets=offsets))
+    return out
 
 
 def slice_handle(handle: WeightHandle, axis: int, start: int, stop: int) -> WeightHandle:

@@ -79,6 +79,12 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
                          kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None,
                          kv_groups=kv_groups)
     weights.close()
+    runner.load_report = weights.report()
+    for line in runner.load_report:
+        if line.startswith("warning: "):
+            logging.getLogger("infer").warning(line.removeprefix("warning: "))
+        else:
+            logging.getLogger("infer").info(line)
     del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
     trim_heap()
     return ModelParts(m, graph, program, runner, name, max_model_len, targets)

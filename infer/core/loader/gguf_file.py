@@ -222,6 +222,12 @@ class GGUFCheckpoint:
             return sum(int(self._gguf_tensors[p].n_bytes) for p in self._joined[name].parts)
         return int(self._by_hf_name[name].n_bytes)
 
+    def stored_type(self, name: str) -> str:
+        """The ggml type the file stores `name` as (Q4_K, Q8_0, F32 ...)."""
+        if name in self._joined:
+            return self._gguf_tensors[self._joined[name].parts[0]].tensor_type.name
+        return self._by_hf_name[name].tensor_type.name
+
     def read(self, name: str) -> np.ndarray:
         """One weight dequantized to float32, in HF layout."""
         if name in self._joined:
@@ -316,8 +322,8 @@ class GGUFCheckpoint:
         return handle
 
     def read_quantized(self, name: str):
-        """One weight as a quantized handle (Q4_0, Q4_1, Q8_0 kept as stored,
-        q/k rows unpermuted), or None for a tensor of another type: `read` it."""
+        """One weight as a quantized handle (a type of `quant_gguf.KEPT_TYPES`, repacked
+        exactly; q/k rows unpermuted), or None for a tensor of another type: `read` it."""
         t = self._by_hf_name.get(name)
         if t is None:  # stored in parts
             return None

@@ -45,6 +45,9 @@ class HFCheckpoint:
     def nbytes(self, name: str) -> int:
         return self._entries[name].nbytes
 
+    def stored_type(self, name: str) -> str:
+        return self._entries[name].dtype
+
     def read(self, name: str) -> np.ndarray:
         return read_tensor(self._entries[name])
 

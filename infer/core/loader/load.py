@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ...primitives.types import WeightHandle
 from .architectures import check_architecture
 from .config import normalize_config, resolve_dtype
 from .errors import CorruptCheckpointError
@@ -68,9 +69,9 @@ class LoadedModel:
     def lazy_weights(self, progress: bool | None = None, quantized: bool = False) -> LazyWeights:
         """The checkpoint's weights as a mapping that reads each one when asked.
 
-        ``quantized``: a tensor the checkpoint stores quantized (GGUF Q4_0/
-        Q4_1/Q8_0, AWQ, GPTQ, fp8) comes as a quantized `WeightHandle` of NumPy
-        arrays instead of a dequantized array.
+        ``quantized``: a tensor the checkpoint stores quantized (GGUF block
+        types with a kept form, `quant_gguf.KEPT_TYPES`; AWQ, GPTQ, fp8) comes as a
+        quantized `WeightHandle` of NumPy arrays instead of a dequantized array.
         """
         return LazyWeights(self.checkpoint, self.dtype, progress, quantized)
 
@@ -174,6 +175,45 @@ class LazyWeights(Mapping):
         self._quantized = quantized and hasattr(ckpt, "read_quantized")
         self._names = dict.fromkeys(ckpt.names)
         self._bar = _progress_bar(ckpt, list(self._names), progress)
+        # name -> [stored type, file bytes, bytes as loaded, kept quantized, values]
+        self._loaded: dict[str, list] = {}
+
+    def _note(self, name: str, value: Any) -> None:
+        try:
+            stored = self._ckpt.stored_type(name)
+        except (AttributeError, KeyError):
+            stored = "stored"
+        entry = self._loaded.setdefault(name, [stored, self._ckpt.nbytes(name), 0, False, 0])
+        entry[2] += _nbytes(value)
+        entry[3] = isinstance(value, WeightHandle)
+        entry[4] += value.out_features * value.in_features if entry[3] else int(np.asarray(value).size)
+
+    def note_dequantized(self, names: Iterable[str]) -> None:
+        """The model runner dequantized these after reading them kept (their fused parts share
+        no form): float32 from then on."""
+        for name in names:
+            entry = self._loaded.get(name)
+            if entry is not None and entry[3]:
+                entry[2], entry[3] = 4 * entry[4], False
+
+    def report(self) -> list[str]:
+        """What the load did with each stored type: tensors and bytes (in the file -> as loaded),
+        kept quantized or as float; a quantized type that could not be kept is named in a
+        warning line (returned first, prefixed "warning: ")."""
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for stored, file_bytes, loaded, kept, _ in self._loaded.values():
+            g = groups.setdefault((stored, kept), [0, 0, 0])
+            g[0], g[1], g[2] = g[0] + 1, g[1] + file_bytes, g[2] + loaded
+        mb = lambda b: f"{b / 2**20:.1f} MB"  # noqa: E731
+        kept = [f"{t} {n} ({mb(f)} -> {mb(b)})" for (t, k), (n, f, b) in sorted(groups.items()) if k]
+        floats = [f"{t} {n} ({mb(f)} -> {mb(b)})" for (t, k), (n, f, b) in sorted(groups.items()) if not k]
+        lines = []
+        lost = sorted(t for (t, k) in groups if not k and t not in _FLOAT_TYPES and t != "stored")
+        if lost and self._quantized:
+            lines.append(f"warning: dequantized at load (no kept form here for these types): {', '.join(lost)}")
+        lines.append(f"weights kept quantized: {'; '.join(kept) or 'none'}")
+        lines.append(f"weights as float: {'; '.join(floats) or 'none'}")
+        return lines
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._names:
@@ -181,6 +221,7 @@ class LazyWeights(Mapping):
         handle = self._ckpt.read_quantized(name) if self._quantized else None
         array = handle if handle is not None else _read(self._ckpt, name, self._dtype)
         self._bar.update(self._ckpt.nbytes(name))
+        self._note(name, array)
         return require_finite(self._ckpt.path, name, array)
 
     def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
@@ -199,6 +240,7 @@ class LazyWeights(Mapping):
             handle = None if handle is None else slice_handle(handle, axis, start, stop)
         if handle is not None:
             self._bar.update(self._ckpt.nbytes(name))
+            self._note(name, handle)
             return require_finite(self._ckpt.path, name, handle)
         array = slice_of(self._ckpt, name, axis, start, stop)
         if np.issubdtype(array.dtype, np.floating) and array.dtype != self._dtype:
@@ -209,6 +251,7 @@ class LazyWeights(Mapping):
             full = None
         if full:
             self._bar.update(self._ckpt.nbytes(name) * (stop - start) // full)
+        self._note(name, array)
         return require_finite(self._ckpt.path, name, array)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
@@ -227,6 +270,17 @@ class LazyWeights(Mapping):
 
     def close(self) -> None:
         self._bar.close()
+
+
+# Stored types that are float already (GGUF's and safetensors' names).
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64", "U8", "BOOL", "float"})
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, WeightHandle):
+        return sum(int(np.asarray(v).nbytes) for v in (getattr(value, f, None) for f in ("qweight", "scales", "offsets"))
+                   if v is not None)
+    return int(getattr(value, "nbytes", 0))
 
 
 def stream_weights(ckpt: Checkpoint, dtype: np.dtype, progress: bool | None = None) -> Iterator[tuple[str, np.ndarray]]:

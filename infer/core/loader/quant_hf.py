@@ -105,6 +105,9 @@ class QuantizedHF:
             return self._ckpt.nbytes(name)
         return sum(self._ckpt.nbytes(f"{base}.{p}") for p in _PARTS[self.method] if f"{base}.{p}" in self._ckpt.names)
 
+    def stored_type(self, name: str) -> str:
+        return self.method if self._base(name) is not None else self._ckpt.stored_type(name)
+
     def read_quantized(self, name: str) -> WeightHandle | None:
         base = self._base(name)
         if base is None:
