@@ -103,7 +103,7 @@ def linear_table(tokens: list[int]) -> list[dict]:
     return rows
 
 
-def decode_one(quantization: str, dtype: str, tokens: int) -> dict:
+def decode_one(quantization: str, dtype: str, tokens: int, model: str = "smollm2") -> dict:
     """Runs in a child process: load, warm up, then time a greedy decode of `tokens` tokens."""
     import resource
 
@@ -112,7 +112,7 @@ def decode_one(quantization: str, dtype: str, tokens: int) -> dict:
 
     t0 = time.perf_counter()
     # max_model_len 512: the KV pool holds the context llama.cpp's row gets (n_ctx=512), not 8k.
-    llm = LLM("smollm2", backend="torch", quantization=quantization, dtype=dtype, max_num_seqs=1,
+    llm = LLM(model, backend="torch", quantization=quantization, dtype=dtype, max_num_seqs=1,
               kv_cache_memory=32 << 20, max_model_len=512, show_progress=False)
     load_s = time.perf_counter() - t0
     prompt = "The history of the printing press begins"
@@ -186,40 +186,61 @@ def kv_table(requests: int, tokens: int) -> list[dict]:
     return rows
 
 
-def _decode_row(label: str, quant: str, dtype: str, tokens: int, gguf_mb: float, order: str = "torch first") -> dict | None:
-    row = _in_child(f"decode_one({quant!r}, {dtype!r}, {tokens})", label, infer_first=order == "infer first")
+def bare_torch_rss_mb() -> float:
+    """Peak RSS of an interpreter that only imports torch: what a model's own memory is measured above."""
+    code = "import resource, torch; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def _decode_row(label: str, quant: str, dtype: str, tokens: int, gguf_mb: float, order: str = "torch first",
+                model: str = "smollm2", base_mb: float = 0.0) -> dict | None:
+    row = _in_child(f"decode_one({quant!r}, {dtype!r}, {tokens}, {model!r})", label,
+                    infer_first=order == "infer first")
     if row is None:
         return None
-    row |= {"config": label, "gguf_mb": gguf_mb}
+    row |= {"config": label, "gguf_mb": gguf_mb, "bare_torch_mb": base_mb}
+    above = f", {(row['peak_rss_mb'] - base_mb) / gguf_mb:.2f}x above bare torch" if base_mb else ""
     print(f"{label:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB "
-          f"({row['peak_rss_mb'] / gguf_mb:.1f}x the {gguf_mb:.0f} MB GGUF)  load {row['load_s']:.1f}s  "
+          f"({row['peak_rss_mb'] / gguf_mb:.1f}x the {gguf_mb:.0f} MB GGUF{above})  load {row['load_s']:.1f}s  "
           f"{row['text']!r}", flush=True)
     return row
 
 
-def decode_table(tokens: int, rounds: int = 1, llama_python: str | None = None) -> list[dict]:
+def decode_table(tokens: int, rounds: int = 1, llama_python: str | None = None,
+                 ggufs: list[str] | None = None) -> list[dict]:
     """Each configuration (and llama.cpp, given its Python) once per round, rounds one after
     another, so a slow spell of the machine hits every configuration of a round alike; with
-    several rounds, the median speed and the median of each round's ratio to llama.cpp."""
+    several rounds, the median speed and the median of each round's ratio to llama.cpp.
+
+    `ggufs`: other GGUF files (a llama.cpp-written Q4_K_M, Q6_K ...) instead of the bundled
+    one: each kept quantized with bf16 activations, beside llama.cpp on the same file."""
     from infer.core.loader import resolve_model_path
 
-    gguf_mb = resolve_model_path("smollm2")[0].stat().st_size / 2**20
+    models = ggufs or ["smollm2"]
     rows = []
+    base_mb = bare_torch_rss_mb()
+    print(f"bare `import torch` interpreter: peak RSS {base_mb:.0f} MB", flush=True)
     for r in range(rounds):
         if rounds > 1:
             print(f"-- round {r + 1} of {rounds} (load average {os.getloadavg()[0]:.2f})", flush=True)
-        for label, config in CONFIGS.items():
-            if row := _decode_row(label, config[0], config[1], tokens, gguf_mb, *config[2:]):
-                rows.append(row | {"round": r})
-        if llama_python and (row := llama_cpp_row(llama_python, tokens)):
-            rows.append(row | {"round": r})
+        for model in models:
+            path = resolve_model_path(model)[0]
+            gguf_mb = path.stat().st_size / 2**20
+            configs = CONFIGS if not ggufs else {f"{path.stem} kept, bf16": ("auto", "bfloat16")}
+            for label, config in configs.items():
+                order = config[2] if len(config) > 2 else "torch first"
+                if row := _decode_row(label, config[0], config[1], tokens, gguf_mb, order, model, base_mb):
+                    rows.append(row | {"round": r, "model": path.stem})
+            if llama_python and (row := llama_cpp_row(llama_python, tokens, model)):
+                rows.append(row | {"round": r, "model": path.stem})
     if rounds > 1:
-        llama = {row["round"]: row["decode_tok_s"] for row in rows if row["config"].startswith("llama.cpp")}
+        llama = {(row["round"], row["model"]): row["decode_tok_s"] for row in rows
+                 if row["config"].startswith("llama.cpp")}
         print(f"-- median of {rounds} rounds")
         for label in dict.fromkeys(row["config"] for row in rows):
             speeds = [row["decode_tok_s"] for row in rows if row["config"] == label]
-            ratios = [row["decode_tok_s"] / llama[row["round"]] for row in rows
-                      if row["config"] == label and row["round"] in llama]
+            ratios = [row["decode_tok_s"] / llama[row["round"], row["model"]] for row in rows
+                      if row["config"] == label and (row["round"], row["model"]) in llama]
             vs = f"  {statistics.median(ratios):.2f}x llama.cpp (rounds: {', '.join(f'{x:.2f}' for x in ratios)})" \
                 if ratios and not label.startswith("llama.cpp") else ""
             print(f"{label:22s} decode {statistics.median(speeds):6.1f} tok/s{vs}", flush=True)
@@ -244,17 +265,18 @@ print(json.dumps({"decode_tok_s": (out["usage"]["completion_tokens"] - 1) / max(
 """
 
 
-def llama_cpp_row(python: str, tokens: int) -> dict | None:
+def llama_cpp_row(python: str, tokens: int, model: str = "smollm2") -> dict | None:
     """llama.cpp (llama-cpp-python in the interpreter `python`) on the same GGUF, same prompt, greedy."""
     from infer.core.loader import resolve_model_path
 
-    path = resolve_model_path("smollm2")[0]
+    path = resolve_model_path(model)[0]
     threads = torch.get_num_threads()
     res = subprocess.run([python, "-c", _LLAMA_CPP, str(path), str(tokens), str(threads)], capture_output=True, text=True)
     if res.returncode:
         print(f"llama.cpp: failed\n{res.stderr[-2000:]}")
         return None
-    row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": f"llama.cpp ({threads} threads)"}
+    label = f"llama.cpp ({threads} thr)" + ("" if model == "smollm2" else f" {path.stem}")
+    row = json.loads(res.stdout.strip().splitlines()[-1]) | {"config": label}
     print(f"{row['config']:22s} decode {row['decode_tok_s']:6.1f} tok/s  peak RSS {row['peak_rss_mb']:6.0f} MB  "
           f"({row['completion_tokens']} tokens; may stop at EOS)  {row['text']!r}", flush=True)
     return row
@@ -270,6 +292,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="decode: run every configuration this many times, "
                                                           "interleaved, and report medians")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 is steadier on a busy machine")
+    ap.add_argument("--gguf", action="append", help="decode: this GGUF (repeatable) instead of the bundled one, "
+                                                    "kept quantized with bf16 activations, beside llama.cpp")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -280,7 +304,7 @@ def main() -> None:
         out["linear"] = linear_table([int(t) for t in a.T.split(",")])
     if a.part in ("decode", "all"):
         print(f"load average {os.getloadavg()[0]:.2f}")
-        out["decode"] = decode_table(a.tokens, a.rounds, a.llama_python)
+        out["decode"] = decode_table(a.tokens, a.rounds, a.llama_python, a.gguf)
     if a.part in ("kv", "all"):
         print(f"load average {os.getloadavg()[0]:.2f}")
         out["kv"] = kv_table(16, a.tokens)

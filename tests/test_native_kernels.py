@@ -433,6 +433,65 @@ def test_int4_gemm_declines_what_it_does_not_read():
     assert nops.int4_gemm(torch.ones(1, 64)[:, ::1].t().contiguous().t(), qweight, scales, offsets, 32) is not None
 
 
+def _vnni_int8():
+    if nops.int8_prepare(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1), None, 32) is None:
+        pytest.skip("the integer int8 GEMM needs a build with AVX512-VNNI")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,group,k,offsets", [(1, 32, 384, False), (3, 16, 384, True), (8, 64, 384, True),
+                                                  (2, 16, 96, False), (5, 32, 352, True)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_int8_gemm_equals_the_dequantized_weight_product(monkeypatch, dtype, rows, group, k, offsets, threads):
+    """The integer int8 GEMM (GGUF Q8_0/Q5_0/Q6_K ... kept as int8 groups, with Q5_1/Q5_K's
+    offsets): float32 within float32 rounding of the float64 product, bfloat16 that product
+    rounded once to bfloat16, give or take a little (as the int4 GEMM)."""
+    _vnni_int8()
+    n = 132
+    g = torch.Generator().manual_seed(rows + group)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) / 64
+    scales[7] = 0.0  # a row of offsets only (or zeros)
+    offs = -16 * scales + torch.randn(n, k // group, generator=g) / 100 if offsets else None
+    w = q.double().view(n, -1, group) * scales.double()[..., None]
+    if offsets:
+        w = w + offs.double()[..., None]
+    w = w.view(n, k)
+    x = torch.randn(rows, k + 8, generator=g)
+    x[:, 8:24] *= 1e-4  # a group far smaller than the rest
+    x[-1, 8 + 2 * group: 8 + 3 * group] = 0.0  # an all-zero group
+    x = x.to(dtype)[:, 8:]  # rows of a wider buffer
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    prepared = nops.int8_prepare(q, scales, offs, group)
+    got = nops.int8_gemm_prepared(x, prepared)
+    want = x.double() @ w.t()
+    assert got.dtype == dtype and got.shape == (rows, n)
+    scale = x.double().abs() @ w.abs().t()
+    if dtype == torch.float32:
+        assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-30).all()
+    else:
+        assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * scale).all()
+    # Each activation row's result is what it gets alone.
+    alone = torch.cat([nops.int8_gemm_prepared(x[i:i + 1].contiguous(), prepared) for i in range(rows)])
+    assert torch.equal(got, alone)
+
+
+def test_int8_gemm_declines_what_it_does_not_read():
+    _vnni_int8()
+    q, s = torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2)
+    assert nops.int8_prepare(q, s, None, 32) is not None
+    assert nops.int8_prepare(q[:15], s[:15], None, 32) is None  # N % 4
+    assert nops.int8_prepare(q, torch.ones(16, 8), None, 8) is None  # groups of 8
+    assert nops.int8_prepare(q, torch.ones(16, 4), None, 16) is not None
+    assert nops.int8_prepare(torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 3), None, 16) is None  # K % 32
+    assert nops.int8_prepare(q, s, torch.ones(16, 3), 32) is None  # offsets of another shape
+    w = nops.int8_prepare(q, s, None, 32)
+    assert nops.int8_gemm_prepared(torch.ones(nops.INT8_GEMM_MAX_ROWS + 1, 64), w) is None
+    x = torch.ones(1, 64)
+    x[0, 3] = float("nan")
+    assert nops.int8_gemm_prepared(x, w) is None  # torch's arithmetic says what nan gives
+
+
 def test_int8_gemv_declines_what_it_does_not_read():
     q, s = torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2)
     assert nops.int8_gemv(torch.ones(nops.INT8_GEMV_MAX_ROWS + 1, 64), q, s, 32) is None

@@ -88,12 +88,13 @@ def test_a_lattice_i_quant_has_no_handle_and_a_bad_row_length_is_refused():
 # -- a whole model stored in a K-quant mix, against transformers ------------------------------------
 
 # Per layer, the types a K-quant mix could write, chosen so that fused weights mix kinds and groups:
-# layer 0's q/k/v are int4 G32 + int8 G32 + int8 G16 (fused as int8 G16 with offsets), its gate/up
-# int4 G16 + int8 G16; layer 1's q/k/v int8 with and without offsets, its gate/up both Q4_K (int4
-# kept); IQ2_XXS (no exact affine form) is dequantized at load and named in the report.
-MIX = {0: {"q_proj": "Q4_K", "k_proj": "Q5_0", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q2_K",
-           "up_proj": "Q3_K", "down_proj": "IQ4_XS"},
-       1: {"q_proj": "Q5_1", "k_proj": "Q8_0", "v_proj": "IQ4_NL", "o_proj": "MXFP4", "gate_proj": "Q4_K",
+# layer 0's q/k/v are int4 G32 + int8 G32 + int8 G16 (fused as int8 G16 with offsets) beside an
+# int4 o, its gate/up int4 G16 + int8 G16; layer 1's q/k/v int8 with and without offsets, its
+# gate/up both Q4_K (int4 kept); IQ2_XXS (no exact affine form) is dequantized at load and named
+# in the report. Q8_0 is the embedding.
+MIX = {0: {"q_proj": "Q4_K", "k_proj": "Q5_0", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q2_K",
+           "up_proj": "Q3_K", "down_proj": "Q5_K"},
+       1: {"q_proj": "Q5_1", "k_proj": "IQ4_XS", "v_proj": "IQ4_NL", "o_proj": "MXFP4", "gate_proj": "Q4_K",
            "up_proj": "Q4_K", "down_proj": "IQ2_XXS"}}
 FP16_FIELDS["IQ2_XXS"] = (0,)
 
@@ -169,13 +170,13 @@ def test_a_k_quant_mix_loads_kept_quantized_with_transformers_logits(k_quant_mix
     weights = m.lazy_weights(quantized=True)
     runner = ModelRunner(lower(build_llama(m.config)), backend, Ops(backend), weights, "float32", 256)
     kinds = {w: h.kind for (w, _), h in runner._handles.items()}
-    assert kinds == {"layers.0.qkv_proj": "int8_group", "layers.0.o_proj": "int8_group",
+    assert kinds == {"layers.0.qkv_proj": "int8_group", "layers.0.o_proj": "int4_group",
                      "layers.0.gate_up_proj": "int8_group", "layers.0.down_proj": "int8_group",
                      "layers.1.qkv_proj": "int8_group", "layers.1.o_proj": "int8_group",
                      "layers.1.gate_up_proj": "int4_group", "layers.1.down_proj": "dense", "lm_head": "int4_group"}
     report = weights.report()
     assert report[0] == "warning: dequantized at load (no kept form here for these types): IQ2_XXS"
-    assert "Q4_K 4 (" in report[1] and "Q6_K 1 (" in report[1] and "IQ2_XXS 1 (" in report[2]
+    assert "Q4_K 5 (" in report[1] and "Q6_K 1 (" in report[1] and "IQ2_XXS 1 (" in report[2]
     runner.allocate_kv_caches(num_blocks=4, block_size=16)
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, 20)
     got = _logits(runner, backend, ids)
@@ -183,3 +184,41 @@ def test_a_k_quant_mix_loads_kept_quantized_with_transformers_logits(k_quant_mix
         want = model(torch.from_numpy(ids)[None]).logits[0].numpy()
     print(f"max |logit| {np.abs(want).max():.3f}, max error {np.abs(got - want).max():.2e}")
     np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_k_quant_mix_decodes_through_the_fused_native_layers_as_its_primitives(k_quant_mix, dtype, leak_check,
+                                                                               monkeypatch):
+    """Decode steps of the mix on torch: both layers' attention blocks (an int8 qkv in groups of
+    16 with offsets beside an int4 o; int8 with and without offsets) and layer 0's MLP run as
+    one native call each; layer 1's MLP (a dense IQ2_XXS down beside int4 gate/up) runs its
+    primitives. The greedy tokens equal a run with every fused node declined (the primitives,
+    through the same kernels)."""
+    from test_dispatch import table
+
+    from infer.backends.torch_native.backend import TorchBackend
+    from infer.backends.torch_native.native import ops as nops
+    from infer.core.llm import LLM
+    from infer.core.sampling_params import SamplingParams
+    from infer.primitives.types import Support
+
+    if nops.int8_prepare(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1), None, 32) is None:
+        pytest.skip("the fused int8 layers need the integer int8 GEMM (AVX512-VNNI)")
+    _, path = k_quant_mix
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 43))}  # a prefill past every fused kernel's rows
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(TorchBackend, "fuses", lambda self, op, **attrs: Support(False, "test"))
+        llm = LLM(str(path), backend="torch", dtype=dtype, skip_tokenizer_init=True, trace_dispatch=True,
+                  max_num_seqs=1, max_model_len=256)
+        leak_check.append(llm.engine)
+        runs.append((llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids,
+                     table(llm.engine.dispatch_trace)))
+    (tokens, trace), (plain, plain_trace) = runs
+    # One prefill (declined: its primitives run) and seven decode steps.
+    assert trace[("attention", "fused_attention")] == {"torch:fused": 2 * 7, "declined": 2}
+    assert trace[("mlp", "fused_mlp")] == {"torch:fused": 7, "declined": 2 + 7}
+    assert not any(call.startswith("fused_") for _, call in plain_trace)
+    assert tokens == plain

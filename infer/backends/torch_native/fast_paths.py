@@ -65,6 +65,10 @@ def linear(x, weight):
         y = native.int4_gemm_prepared(x, p.native)
         if y is not None:
             return y if weight.bias is None else y + weight.bias.to(x.dtype)
+    if isinstance(p, native.Int8Native) and 0 < t <= native.INT8_GEMM_MAX_ROWS:
+        y = native.int8_gemm_prepared(x, p)
+        if y is not None:
+            return y if weight.bias is None else y + weight.bias.to(x.dtype)
     if isinstance(weight, Int8GroupWeight) and 0 < t <= native.INT8_GEMV_MAX_ROWS:
         y = native.int8_gemv(x, weight.qweight, weight.scales, weight.group_size)
         if y is not None:

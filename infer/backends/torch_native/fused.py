@@ -1,8 +1,9 @@
 """The attention and MLP nodes of a decode step as one native call each.
 
 A decode step of SmolLM2 runs ~15 primitives and views per layer, each a
-Python call of a few microseconds around a kernel of a few more; for int4
-weights (the GGUF/AWQ/GPTQ kinds kept quantized), and for dense bf16 weights
+Python call of a few microseconds around a kernel of a few more; for int4 and
+int8 weights (the GGUF/AWQ/GPTQ kinds kept quantized, K-quant mixes of the two
+in one layer included), and for dense bf16 weights
 with bf16 activations on a CPU with AVX512-BF16, the native library runs the
 attention block (qkv GEMV and bias, q/k norms, rotary (or none), kv_write, attention with its
 sinks, o GEMV and bias) and the MLP
@@ -17,18 +18,20 @@ from __future__ import annotations
 import torch
 
 from ...primitives.context import LayerContext
-from ...primitives.types import AttentionMetadata, DenseWeight, Int4GroupWeight
+from ...primitives.types import AttentionMetadata, DenseWeight, Int4GroupWeight, Int8GroupWeight
 from .attention import LazyPlan
 from .native import ops as native
 from .quant_linear import Int4Prepared, native_int4_takes
 
 
 def _gemv(handle, bias: bool = False):
-    """The native GEMV's view of an int4 or dense bf16 weight (without bias unless `bias`), or None."""
+    """The native GEMV's view of an int4, int8 or dense bf16 weight (without bias unless `bias`), or None."""
     if handle is None or (handle.bias is not None and not bias):
         return None
     if isinstance(handle, Int4GroupWeight) and isinstance(handle.prepared, Int4Prepared):
         return handle.prepared.native
+    if isinstance(handle, Int8GroupWeight) and isinstance(handle.prepared, native.Int8Native):
+        return handle.prepared
     if isinstance(handle, DenseWeight):
         return native.dense_prepare(handle.weight)
     return None
@@ -41,7 +44,7 @@ def _bias(handle, dtype):
 def _takes(x, packed, *weights) -> bool:
     """This step's rows go to the packed layer: the int4 kernels' measured limits (in
     float32 fewer where dense copies can take the batch), the dense bf16 GEMV's."""
-    if isinstance(packed.keep[0], native.DenseNative):
+    if not all(isinstance(w, native.Int4Native) for w in packed.keep[:2]):  # dense bf16, int8, or a mix
         return x.shape[0] <= packed.max_rows
     return native_int4_takes(x, *weights)
 

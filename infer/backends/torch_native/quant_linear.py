@@ -113,6 +113,9 @@ def prepare_weight(w: WeightHandle) -> WeightHandle:
             packed = Int4Packed(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz)
         fast = native.int4_prepare(w.qweight, w.scales, w.offsets, w.group_size)
         return w if packed is None and fast is None else _replace(w, Int4Prepared(packed, fast))
+    if isinstance(w, Int8GroupWeight) and (fast := native.int8_prepare(w.qweight, w.scales, w.offsets,
+                                                                        w.group_size)) is not None:
+        return _replace(w, fast)  # the integer GEMM (fast_paths.linear) up to its rows, dense copies past them
     if isinstance(w, Int8GroupWeight) and dtype in _HALF and w.in_features % w.group_size == 0 \
             and not _native_int8(w):
         n, k, g = w.out_features, w.in_features, w.group_size

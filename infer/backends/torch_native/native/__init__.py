@@ -57,6 +57,7 @@ _SIGNATURES = {
     "infer_kv_write_fp8": (_P, _I, _P, _I, _P, _I, _P, _I, _I, _F, _F),
     "infer_int8_gemv": (_P, _P, _P, _I, _I, _I, _I, _P, _I, _I),
     "infer_int4_gemm": (_P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
+    "infer_int8_gemm": (_P, _P, _P, _I, _I, _P, _I, _I, _I, _P, _I, _I),
     "infer_attention_block_packed": (_P, _I, _P, _P, _P, _F, _P, _I),
     "infer_mlp_packed": (_P, _I, _P, _P, _I),
 }

@@ -1368,6 +1368,169 @@ static void int8_task(const void *args, int64_t part, int64_t parts) {
         return 0;                                                                                           \
     }
 
+/* ---- int8 group-quantized GEMM on integer dot products (VNNI) -------------------------
+ * y[t, n] = sum_g scales[n, g] * (q[n, group g] . x[t, group g]) (+ offsets[n, g] * sum(x[t, group g]))
+ * for q [N, K] int8 (GGUF Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, IQ4, MXFP4 codes), scales and
+ * offsets [N, K/G] float32 (offsets NULL: none), x [rows, K], y [rows, N] in x's dtype.
+ * x is written per group as 16-bit integer parts in K's order (int16_parts, as for int4:
+ * exact for bf16 x in one part, within float32 rounding in two for float32 x), and each 32
+ * codes meet it in one vpdpwssd (16 lanes of two products each): an integer sum per group
+ * that is exact (|q| <= 128, so a lane of a group of up to 32 stays below 2^24 and
+ * converts to float32 exactly; larger groups are rounded once). Groups of 16 share a
+ * 512-bit step: lanes 0-7 are group g's, 8-15 group g + 1's, scaled lane-wise.
+ * Needs K % 32 == 0, N % 4 == 0 and a group of 16 or a multiple of 32 (else -1).
+ */
+#if INT4_VNNI
+typedef struct {
+    const int8_t *q;
+    const float *s, *o;
+    const int16_t *xp;    /* [rows][nparts][K] */
+    const float *xscale;  /* [rows][nparts][K/G] */
+    const float *xsum;    /* [rows][K/G] */
+    void *y;
+    int64_t rows, k, group, n, nparts, bf16_out;
+} int8v_job;
+
+static inline void int8v_store(const int8v_job *j, int64_t t, int64_t r, float v) {
+    if (j->bf16_out)
+        ((uint16_t *)j->y)[t * j->n + r] = bf16_store(v);
+    else
+        ((float *)j->y)[t * j->n + r] = v;
+}
+
+#define INT8V_CODES(qr, at) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((qr) + (at))))
+/* Output rows r..r+3 for activation row t, NP (1 or 2) parts of x; G16: groups of 16. */
+static inline __attribute__((always_inline)) void int8v_rows4(const int8v_job *j, int64_t r, int64_t t, const int NP,
+                                                              const int G16) {
+    int64_t k = j->k, ng = k / j->group, chunks = G16 ? 1 : j->group / 32, step = G16 ? 2 : 1;
+    const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
+    const float *c1p = j->xscale + t * NP * ng, *c2p = c1p + ng;
+    const int8_t *q0 = j->q + r * k, *q1 = q0 + k, *q2 = q1 + k, *q3 = q2 + k;
+    const float *w0 = j->s + r * ng, *w1 = w0 + ng, *w2 = w1 + ng, *w3 = w2 + ng;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t g = 0; g < ng; g += step) {
+        __m512i i0 = _mm512_setzero_si512(), i1 = i0, i2 = i0, i3 = i0;
+        __m512i k0 = i0, k1 = i0, k2 = i0, k3 = i0; /* second parts */
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t at = g * j->group + c * 32;
+            if ((at & 63) == 0) { /* the same bytes of the rows ahead, before their turn */
+                const int8_t *ahead = q0 + INT4_PREFETCH_ROWS * k + at;
+                for (int m = 0; m < 4; m++) _mm_prefetch((const char *)(ahead + m * k), _MM_HINT_T0);
+            }
+            __m512i xv = _mm512_loadu_si512((const void *)(x1 + at));
+            __m512i l0 = INT8V_CODES(q0, at), l1 = INT8V_CODES(q1, at);
+            __m512i l2 = INT8V_CODES(q2, at), l3 = INT8V_CODES(q3, at);
+            i0 = _mm512_dpwssd_epi32(i0, l0, xv);
+            i1 = _mm512_dpwssd_epi32(i1, l1, xv);
+            i2 = _mm512_dpwssd_epi32(i2, l2, xv);
+            i3 = _mm512_dpwssd_epi32(i3, l3, xv);
+            if (NP == 2) {
+                __m512i yv = _mm512_loadu_si512((const void *)(x2 + at));
+                k0 = _mm512_dpwssd_epi32(k0, l0, yv);
+                k1 = _mm512_dpwssd_epi32(k1, l1, yv);
+                k2 = _mm512_dpwssd_epi32(k2, l2, yv);
+                k3 = _mm512_dpwssd_epi32(k3, l3, yv);
+            }
+        }
+#define INT8V_SCALE(p) (G16 ? int4_two_f32(p) : _mm512_set1_ps(*(p)))
+        __m512 c1 = INT8V_SCALE(c1p + g);
+        __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), c1), f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), c1);
+        __m512 f2 = _mm512_mul_ps(_mm512_cvtepi32_ps(i2), c1), f3 = _mm512_mul_ps(_mm512_cvtepi32_ps(i3), c1);
+        if (NP == 2) {
+            __m512 c2 = INT8V_SCALE(c2p + g);
+            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k0), c2, f0);
+            f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k1), c2, f1);
+            f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k2), c2, f2);
+            f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k3), c2, f3);
+        }
+        a0 = _mm512_fmadd_ps(f0, INT8V_SCALE(w0 + g), a0);
+        a1 = _mm512_fmadd_ps(f1, INT8V_SCALE(w1 + g), a1);
+        a2 = _mm512_fmadd_ps(f2, INT8V_SCALE(w2 + g), a2);
+        a3 = _mm512_fmadd_ps(f3, INT8V_SCALE(w3 + g), a3);
+#undef INT8V_SCALE
+    }
+    const float *xs = j->xsum + t * ng;
+#define INT8V_OFFSETS(m) (j->o ? dot_f32_tail(j->o + (r + m) * ng, xs, ng) : 0.0f)
+    int8v_store(j, t, r, _mm512_reduce_add_ps(a0) + INT8V_OFFSETS(0));
+    int8v_store(j, t, r + 1, _mm512_reduce_add_ps(a1) + INT8V_OFFSETS(1));
+    int8v_store(j, t, r + 2, _mm512_reduce_add_ps(a2) + INT8V_OFFSETS(2));
+    int8v_store(j, t, r + 3, _mm512_reduce_add_ps(a3) + INT8V_OFFSETS(3));
+#undef INT8V_OFFSETS
+}
+
+static void int8v_task(const void *args, int64_t part, int64_t parts) {
+    const int8v_job *j = (const int8v_job *)args;
+    int64_t quads = j->n / 4, lo = quads * part / parts * 4, hi = quads * (part + 1) / parts * 4;
+    int g16 = j->group == 16;
+    for (int64_t r = lo; r < hi; r += 4)
+        for (int64_t t = 0; t < j->rows; t++) {
+            if (j->nparts == 2) {
+                if (g16) int8v_rows4(j, r, t, 2, 1); else int8v_rows4(j, r, t, 2, 0);
+            } else {
+                if (g16) int8v_rows4(j, r, t, 1, 1); else int8v_rows4(j, r, t, 1, 0);
+            }
+        }
+}
+#endif
+
+#define INT8V_MAX_ROWS 32
+#define DEF_INT8_GEMM(SUF, T, LD, BF16_OUT)                                                                 \
+    int infer_int8_gemm_##SUF(const int8_t *q, const float *s, const float *o, int64_t group, int64_t kind, \
+                              const T *x, int64_t xs, int64_t rows, int64_t k, T *y, int64_t n,              \
+                              int64_t threads) {                                                              \
+        (void)kind;                                                                                         \
+        if (!INT4_VNNI) return -3;                                                                          \
+        if ((group != 16 && group % 32) || k % 32 || k % group || n % 4 || rows < 1 || rows > INT8V_MAX_ROWS) \
+            return -1;                                                                                      \
+        int64_t ng = k / group, np = BF16_OUT ? 1 : 2;                                                      \
+        int16_t *xp = (int16_t *)malloc(sizeof(int16_t) * rows * np * k);                                   \
+        float *xsum = (float *)malloc(sizeof(float) * rows * ng * (1 + np));                                \
+        float *xf = (float *)malloc(sizeof(float) * k);                                                     \
+        if (!xp || !xsum || !xf) {                                                                          \
+            free(xp); free(xsum); free(xf);                                                                 \
+            return -2;                                                                                      \
+        }                                                                                                   \
+        float *xscale = xsum + rows * ng;                                                                   \
+        for (int64_t t = 0; t < rows; t++) {                                                                \
+            const T *xr = x + t * xs;                                                                       \
+            float total = 0.0f;                                                                             \
+            for (int64_t g = 0; g < ng; g++) {                                                              \
+                float sum = 0.0f;                                                                           \
+                for (int64_t i = g * group; i < (g + 1) * group; i++) {                                     \
+                    xf[i] = LD(xr[i]);                                                                      \
+                    sum += xf[i];                                                                           \
+                    total += fabsf(xf[i]);                                                                  \
+                }                                                                                           \
+                xsum[t * ng + g] = sum;                                                                     \
+            }                                                                                               \
+            if (!isfinite(total)) { /* inf or nan in x: torch's arithmetic says what comes out */          \
+                free(xp); free(xsum); free(xf);                                                             \
+                return -4;                                                                                  \
+            }                                                                                               \
+            int16_t *xt = xp + t * np * k;                                                                  \
+            for (int64_t g = 0; g < ng; g++) { /* a group's two halves share its exponent */               \
+                int64_t at = g * group, h = group / 2;                                                      \
+                int16_parts(xf + at, xf + at + h, h, np, xt + at, xt + at + h, k, xscale + t * np * ng + g, ng); \
+            }                                                                                               \
+        }                                                                                                   \
+        INT8V_RUN(BF16_OUT)                                                                                 \
+        free(xp); free(xsum); free(xf);                                                                     \
+        return 0;                                                                                           \
+    }
+#if INT4_VNNI
+#define INT8V_RUN(BF16_OUT)                                                                                 \
+    {                                                                                                       \
+        int8v_job job = {q, s, o, xp, xscale, xsum, y, rows, k, group, n, np, BF16_OUT};                    \
+        int64_t parts = threads < 1 ? 1 : threads;                                                          \
+        if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;                                                \
+        pool_run(int8v_task, &job, parts);                                                                  \
+    }
+#else
+#define INT8V_RUN(BF16_OUT) (void)y, (void)threads, (void)xscale, (void)xs;
+#endif
+
+DEF_INT8_GEMM(f32, float, f32_load, 0)
+DEF_INT8_GEMM(bf16, uint16_t, bf16_load, 1)
 DEF_INT8_GEMV(f32, float, f32_load)
 DEF_INT4_GEMM(f32, float, f32_load, 0)
 DEF_INT4_GEMM(bf16, uint16_t, bf16_load, 1)
@@ -2008,15 +2171,22 @@ int infer_mla_block_bf16(const uint16_t *x, int64_t rows, const int64_t *positio
 
 /* A fused layer's projection: an int4 weight (as infer_int4_gemm), or with bf16 activations
  * a dense bf16 [n, k] weight, passed as `q` with no scales (s NULL). */
+/* kind (the `f16` slot of a weight's arguments) 2: an int8 weight (infer_int8_gemm) */
+#define LAYER_INT8 2
 static int layer_gemm_f32(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16, const float *x,
                           int64_t xs, int64_t rows, int64_t k, float *y, int64_t n, int64_t threads) {
-    return s ? infer_int4_gemm_f32(q, s, o, group, f16, x, xs, rows, k, y, n, threads) : -3;
+    if (!s) return -3;
+    if (f16 == LAYER_INT8)
+        return infer_int8_gemm_f32((const int8_t *)q, s, o, group, f16, x, xs, rows, k, y, n, threads);
+    return infer_int4_gemm_f32(q, s, o, group, f16, x, xs, rows, k, y, n, threads);
 }
 
 static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16,
                            const uint16_t *x, int64_t xs, int64_t rows, int64_t k, uint16_t *y, int64_t n,
                            int64_t threads) {
     if (!s) return infer_bf16_gemv(x, xs, rows, k, (const uint16_t *)q, y, n, threads);
+    if (f16 == LAYER_INT8)
+        return infer_int8_gemm_bf16((const int8_t *)q, s, o, group, f16, x, xs, rows, k, y, n, threads);
     return infer_int4_gemm_bf16(q, s, o, group, f16, x, xs, rows, k, y, n, threads);
 }
 
@@ -2026,7 +2196,8 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
  *   attention block: qkv = x @ Wqkv (int4) -> [q/k norms] -> rotary(q, k) -> kv_write(k, v) -> attention(q)
  *                    -> out = o @ Wo (int4);
  *   MLP:             out = silu_and_mul (or gelu_tanh_and_mul)(x @ Wgate_up) @ Wdown (int4 both).
- * An int4 weight is (q, scales, offsets, group, half) as in infer_int4_gemm; with bf16
+ * An int4 weight is (q, scales, offsets, group, half) as in infer_int4_gemm, an int8 one
+ * (q, scales, offsets or NULL, group, 2) as in infer_int8_gemm; with bf16
  * activations a weight may also be dense bf16 (its pointer as q, scales NULL: layer_gemm).
  */
 #define DEF_FUSED(SUF, T)                                                                                   \

@@ -397,10 +397,11 @@ def _max_rows(dtype: torch.dtype, *weights) -> int:
     """Rows of x a fused layer serves: each projection's kernel's limit, SiLU's too."""
     if all(isinstance(w, DenseNative) for w in weights):
         limit = BF16_GEMV_MAX_ROWS if dtype == torch.bfloat16 else 0
-    elif all(isinstance(w, Int4Native) for w in weights):
-        limit = INT4_GEMM_MAX_ROWS if dtype == torch.float32 else INT4_BF16_MAX_ROWS
+    elif all(isinstance(w, (Int4Native, Int8Native)) for w in weights):  # K-quant mixes: both in one layer
+        limit = min(INT8_GEMM_MAX_ROWS if isinstance(w, Int8Native) else
+                    INT4_GEMM_MAX_ROWS if dtype == torch.float32 else INT4_BF16_MAX_ROWS for w in weights)
     else:
-        limit = 0  # one layer's projections of two kinds: not packed
+        limit = 0  # one layer's projections dense and quantized: not packed
     return min(limit, SILU_MAX_ROWS)
 
 
@@ -452,7 +453,63 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offs
     return None if w is None else int4_gemm_prepared(x, w)
 
 
-# -- a decode step's attention block and MLP in one call each (int4 weights) -----------------
+# Rows up to which the integer int8 GEMM serves a step (its per-row work is small: one
+# conversion of the codes per activation row, and torch's alternatives for a few rows are
+# a per-group int8 kernel or a dequantized copy).
+INT8_GEMM_MAX_ROWS = 8
+_INT8_KIND = 2  # the kind slot of a weight's packed arguments (kernels.c, layer_gemm)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Native:
+    """An int8 group weight (with or without offsets) checked once for the integer GEMM
+    (`infer_int8_gemm`: VNNI builds only)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    args: tuple[int, int, int, int, int]  # qweight, scales, offsets (0: none) pointers, group size, kind
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+
+def int8_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int):
+    """The weight as `infer_int8_gemm` reads it, or None where it cannot (no VNNI; N % 4,
+    K % 32; groups other than 16 or a multiple of 32; not contiguous float32 tables)."""
+    lib = library()
+    if lib is None or not lib.infer_int4_half_scales():  # the VNNI build
+        return None
+    n, k = qweight.shape
+    if (qweight.dtype != torch.int8 or not qweight.is_cpu or not qweight.is_contiguous() or n % 4 or k % 32
+            or (group_size != 16 and group_size % 32) or k % group_size or scales.dtype != torch.float32
+            or not scales.is_contiguous() or scales.shape != (n, k // group_size)):
+        return None
+    if offsets is not None and (offsets.dtype != torch.float32 or not offsets.is_contiguous()
+                                or offsets.shape != scales.shape):
+        return None
+    pointers = (qweight.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr())
+    return Int8Native(qweight, scales, offsets, (*pointers, group_size, _INT8_KIND))
+
+
+def int8_gemm_prepared(x: torch.Tensor, w: Int8Native):
+    """``x @ (q * scales (+ offsets)).T`` in x's dtype for up to INT8_GEMM_MAX_ROWS rows; None
+    when the kernel does not apply to x (or x holds inf or nan)."""
+    lib = _lib(x)
+    n, k = w.shape
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[0] <= INT8_GEMM_MAX_ROWS or x.shape[1] != k:
+        return None
+    y = torch.empty((x.shape[0], n), dtype=x.dtype)
+    rc = _fn(lib, "int8_gemm", x.dtype)(*w.args, x.data_ptr(), x.stride(0), x.shape[0], k, y.data_ptr(), n,
+                                        torch.get_num_threads())
+    if rc == _NOT_FINITE:
+        return None
+    _check(rc, "int8 linear")
+    return y
+
+
+# -- a decode step's attention block and MLP in one call each (quantized or bf16 weights) ---
 @dataclass(frozen=True, slots=True)
 class Packed:
     """Arguments checked once and packed for the native attention block or MLP (a layer's
@@ -473,7 +530,8 @@ def _pack(values, keep, **kw) -> Packed:
     return Packed(tuple(keep), torch.tensor(values, dtype=torch.int64), **kw)
 
 
-def attention_block_layer(qkv: Int4Native | DenseNative, o: Int4Native | DenseNative, cos_sin: torch.Tensor,
+def attention_block_layer(qkv: Int4Native | Int8Native | DenseNative, o: Int4Native | Int8Native | DenseNative,
+                          cos_sin: torch.Tensor,
                           neox_style: bool,
                           kv_cache: torch.Tensor, heads: tuple[int, int, int], scale: float, window: int | None,
                           soft_cap: float | None = None, qk_norms: tuple | None = None,
@@ -618,7 +676,8 @@ def mla_block(x: torch.Tensor, positions: torch.Tensor, layer: Packed, step: Pac
     return out
 
 
-def mlp_layer(gate_up: Int4Native | DenseNative, down: Int4Native | DenseNative, dtype: torch.dtype,
+def mlp_layer(gate_up: Int4Native | Int8Native | DenseNative, down: Int4Native | Int8Native | DenseNative,
+              dtype: torch.dtype,
               act: str = "silu"):
     """A layer's side of `mlp` for activations of `dtype` and `act` ('silu' or 'gelu_tanh'),
     checked and packed, or None."""
