@@ -222,6 +222,13 @@ class GGUFCheckpoint:
             return sum(int(self._gguf_tensors[p].n_bytes) for p in self._joined[name].parts)
         return int(self._by_hf_name[name].n_bytes)
 
+    def release(self, name: str) -> None:
+        """`name`'s file pages leave the process's resident memory (it has been read)."""
+        parts = self._joined[name].parts if name in self._joined else None
+        tensors = [self._gguf_tensors[p] for p in parts] if parts else [self._by_hf_name[name]]
+        for t in tensors:
+            self.reader.release(t.data_offset, t.n_bytes)
+
     def stored_type(self, name: str) -> str:
         """The ggml type the file stores `name` as (Q4_K, Q8_0, F32 ...)."""
         if name in self._joined:

@@ -14,6 +14,7 @@ the type tables come from gguf-py itself.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,19 @@ class GGUFHeader:
         align = int(align_field.value) if align_field is not None else 32
         start = -(-pos // align) * align
         self.tensors = [self._tensor(name, dims, ttype, start + offset) for name, dims, ttype, offset in infos]
+
+    def release(self, start: int, length: int) -> None:
+        """Drop the process's resident pages of file bytes [start, start + length) (a tensor
+        read and converted): the mapping is read-only, so a later read faults them back in from
+        the page cache. Without this, every tensor read stays in the process's RSS until the
+        reader goes, beside its converted copy."""
+        mm = getattr(self._mm, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED") or length <= 0:
+            return
+        page = mmap.PAGESIZE
+        lo, hi = start // page * page, min(-(-(start + length) // page) * page, len(self._mm))
+        if hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     # -- metadata -------------------------------------------------------------
     def _unpack(self, fmt: str, pos: int) -> Any:

@@ -178,6 +178,15 @@ class LazyWeights(Mapping):
         # name -> [stored type, file bytes, bytes as loaded, kept quantized, values]
         self._loaded: dict[str, list] = {}
 
+    def _release(self, name: str) -> None:
+        """The checkpoint's pages of `name` out of resident memory, where it can (GGUF's mapping)."""
+        release = getattr(self._ckpt, "release", None)
+        if release is not None:
+            try:
+                release(name)
+            except KeyError:  # a name a wrapper made up (fused experts): its parts stay mapped
+                pass
+
     def _note(self, name: str, value: Any) -> None:
         try:
             stored = self._ckpt.stored_type(name)
@@ -222,7 +231,9 @@ class LazyWeights(Mapping):
         array = handle if handle is not None else _read(self._ckpt, name, self._dtype)
         self._bar.update(self._ckpt.nbytes(name))
         self._note(name, array)
-        return require_finite(self._ckpt.path, name, array)
+        array = require_finite(self._ckpt.path, name, array)
+        self._release(name)
+        return array
 
     def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
         """[start, stop) along `axis` of one weight, as `dtype` (a tensor-parallel shard); where
@@ -241,7 +252,9 @@ class LazyWeights(Mapping):
         if handle is not None:
             self._bar.update(self._ckpt.nbytes(name))
             self._note(name, handle)
-            return require_finite(self._ckpt.path, name, handle)
+            handle = require_finite(self._ckpt.path, name, handle)
+            self._release(name)
+            return handle
         array = slice_of(self._ckpt, name, axis, start, stop)
         if np.issubdtype(array.dtype, np.floating) and array.dtype != self._dtype:
             array = array.astype(self._dtype)
@@ -252,7 +265,9 @@ class LazyWeights(Mapping):
         if full:
             self._bar.update(self._ckpt.nbytes(name) * (stop - start) // full)
         self._note(name, array)
-        return require_finite(self._ckpt.path, name, array)
+        array = require_finite(self._ckpt.path, name, array)
+        self._release(name)
+        return array
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._names
