@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from infer.backends.torch_native import TorchBackend, native, ops
+from infer.backends.torch_native import TorchBackend, fast_paths, native, ops
 from infer.dispatch import Ops
 from infer.backends.torch_native import attention as attention_mod
 from infer.backends.torch_native.native import ops as nops
@@ -474,6 +474,60 @@ def test_int8_gemm_equals_the_dequantized_weight_product(monkeypatch, dtype, row
     # Each activation row's result is what it gets alone.
     alone = torch.cat([nops.int8_gemm_prepared(x[i:i + 1].contiguous(), prepared) for i in range(rows)])
     assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("low,span,group,offsets", [(-16, 32, 32, False), (-32, 64, 16, False), (0, 32, 32, True),
+                                                    (-4, 8, 16, False), (-12, 25, 64, False), (-128, 256, 128, True),
+                                                    (3, 9, 32, True)])
+def test_packed_int8_codes_give_the_int8_kernels_results_bit_for_bit(dtype, low, span, group, offsets):
+    """Codes of few bits (Q5_0's -16..15, Q6_K's -32..31, Q5_1's 0..31, Q3_K's, MXFP4's; any
+    other int8 codes) packed into 4, 5, 6 or 8 bits in row quads: each code unpacks to itself,
+    and the GEMM gives exactly what the unpacked int8 kernel gives, float16 scales or not."""
+    _vnni_int8()
+    n, k = 136, 384
+    g = torch.Generator().manual_seed(span + group)
+    q = torch.randint(low, low + span, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) / 64
+    if span == 32:
+        scales = scales.half().float()  # exact in float16: the packed weight keeps float16 scales
+    offs = torch.randn(n, k // group, generator=g) / 100 if offsets else None
+    plain, packed = nops.int8_prepare(q, scales, offs, group, pack=False), nops.int8_prepare(q, scales, offs, group)
+    assert packed.packed and not plain.packed and packed.shape == (n, k)
+    bits = next(b for b in (4, 5, 6, 8) if span <= 1 << b)
+    assert packed.bits == bits and packed.qweight.numel() == n * k * bits // 8
+    assert (packed.scales.dtype == torch.float16) == (span == 32 and not offsets)
+    assert torch.equal(packed.codes(), q)
+    ids = torch.tensor([n - 1, 0, 5, 5])
+    assert torch.equal(packed.codes(ids), q[ids]) and torch.equal(packed.codes(slice(3, 11)), q[3:11])
+    for rows in (1, 2, 8):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        assert torch.equal(nops.int8_gemm_prepared(x, packed), nops.int8_gemm_prepared(x, plain))
+
+
+def test_a_packed_int8_weight_serves_every_path_from_its_packed_codes():
+    """After prepare_weight a packed weight's own arrays are shape-only: decode rows, prefill
+    rows (dequantized tiles) and embedding rows all read the packed codes and agree with the
+    weight as loaded."""
+    _vnni_int8()
+    from infer.backends.torch_native import quant_linear
+    from infer.primitives.types import Int8GroupWeight
+
+    n, k, group = 64, 128, 32
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-16, 16, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=g) / 64).half().float()
+    w = Int8GroupWeight(q, scales, group, bias=None, dtype="float32")
+    prepared = quant_linear.prepare_weight(w)
+    assert prepared.prepared.packed and prepared.qweight.device.type == "meta"
+    dense = (q.float().view(n, -1, group) * scales[..., None]).view(n, k)
+    assert torch.equal(quant_linear.dequantize(prepared), dense)
+    assert torch.equal(quant_linear.embedding(torch.tensor([3, 0, 63]), prepared), dense[[3, 0, 63]])
+    for rows in (1, 40):
+        x = torch.randn(rows, k, generator=g)
+        want = x.double() @ dense.double().t()
+        got = quant_linear.linear(x, prepared) if rows > 8 else fast_paths.linear(x, prepared)
+        assert ((got.double() - want).abs() <= 1e-5 * (x.double().abs() @ dense.double().abs().t())).all()
 
 
 def test_int8_gemm_declines_what_it_does_not_read():

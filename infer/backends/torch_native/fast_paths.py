@@ -69,7 +69,8 @@ def linear(x, weight):
         y = native.int8_gemm_prepared(x, p)
         if y is not None:
             return y if weight.bias is None else y + weight.bias.to(x.dtype)
-    if isinstance(weight, Int8GroupWeight) and 0 < t <= native.INT8_GEMV_MAX_ROWS:
+    packed = isinstance(p, native.Int8Native) and p.packed  # its codes are in p only
+    if isinstance(weight, Int8GroupWeight) and not packed and 0 < t <= native.INT8_GEMV_MAX_ROWS:
         y = native.int8_gemv(x, weight.qweight, weight.scales, weight.group_size)
         if y is not None:
             if weight.offsets is not None:

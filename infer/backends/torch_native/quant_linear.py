@@ -115,7 +115,14 @@ def prepare_weight(w: WeightHandle) -> WeightHandle:
         return w if packed is None and fast is None else _replace(w, Int4Prepared(packed, fast))
     if isinstance(w, Int8GroupWeight) and (fast := native.int8_prepare(w.qweight, w.scales, w.offsets,
                                                                         w.group_size)) is not None:
-        return _replace(w, fast)  # the integer GEMM (fast_paths.linear) up to its rows, dense copies past them
+        # The integer GEMM (fast_paths.linear) up to its rows, dense copies past them.
+        if not fast.packed:
+            return _replace(w, fast)
+        # The packed codes and scales are the weight now: the handle's own arrays would double its
+        # memory, so they become shape-only (meta) tensors and everything reads `fast` (`_int8_parts`).
+        meta = {f: torch.empty_like(getattr(w, f), device="meta") for f in ("qweight", "scales", "offsets")
+                if getattr(w, f) is not None}
+        return dataclasses.replace(w, prepared=fast, **meta)
     if isinstance(w, Int8GroupWeight) and dtype in _HALF and w.in_features % w.group_size == 0 \
             and not _native_int8(w):
         n, k, g = w.out_features, w.in_features, w.group_size
@@ -143,16 +150,26 @@ def dequantize(w: WeightHandle, rows: slice | torch.Tensor = slice(None)) -> tor
         q = torch.stack((p & 15, p >> 4), -1).view(p.shape[0], -1, w.group_size).to(torch.float32)
         return torch.addcmul(w.offsets[rows][..., None], q, w.scales[rows][..., None]).view(p.shape[0], -1)
     if isinstance(w, Int8GroupWeight):
-        q = w.qweight[rows]
+        q, scales, offsets = _int8_parts(w, rows)
         q = q.view(q.shape[0], -1, w.group_size).to(torch.float32)
-        if w.offsets is not None:
-            return torch.addcmul(w.offsets[rows][..., None], q, w.scales[rows][..., None]).view(q.shape[0], -1)
-        return (q * w.scales[rows][..., None]).view(q.shape[0], -1)
+        if offsets is not None:
+            return torch.addcmul(offsets[..., None], q, scales[..., None]).view(q.shape[0], -1)
+        return (q * scales[..., None]).view(q.shape[0], -1)
     if isinstance(w, Fp8Weight):
         q = w.qweight[rows].view(torch.float8_e4m3fn).to(torch.float32)
         s = w.scales if w.scales.numel() == 1 else w.scales[rows][:, None]
         return q * s
     raise TypeError(f"torch cannot dequantize a {type(w).__name__} (kind {w.kind!r})")
+
+
+def _int8_parts(w: Int8GroupWeight, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """int8 q, float32 scales and offsets of the given rows, from the packed codes where the
+    weight was packed (`prepare_weight`)."""
+    p = w.prepared
+    if isinstance(p, native.Int8Native) and p.packed:
+        offsets = None if p.offsets is None else p.offsets[rows].float()
+        return p.codes(rows), p.scales[rows].float(), offsets
+    return w.qweight[rows], w.scales[rows], None if w.offsets is None else w.offsets[rows]
 
 
 def _linear_in_tiles(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:

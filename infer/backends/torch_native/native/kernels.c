@@ -1473,12 +1473,223 @@ static void int8v_task(const void *args, int64_t part, int64_t parts) {
 }
 #endif
 
+/* ---- int8 codes of few bits, packed (a private layout of the torch backend) -----------
+ * An int8 group weight whose codes span fewer than 2^bits values (bits 4, 5 or 6: GGUF
+ * Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, MXFP4's codes) is stored as u = q + c in 0..2^bits - 1, so a
+ * decode step streams bits / 8 of the int8 bytes. Per 64 codes of a row (a block): 32 bytes
+ * of nibbles (byte i: u[i] & 15 low, u[32 + i] & 15 high), then bits - 4 planes of 8 bytes
+ * (plane p: bit i of the little-endian 64-bit word = bit 4 + p of u[i]). Other codes (bits 8,
+ * c 0: GGUF Q8_0) keep their 64 bytes a block and gain the layout and float16 scales. The four rows of a
+ * quad are interleaved block by block ([N/4][K/64][4][block bytes]), so the rows a thread
+ * reads together are one sequential stream. Scales and offsets are float16 where that is
+ * exact (kind's half bit), else float32.
+ *   kind = 3 | bits << 4 | half << 8 | (c + 256) << 12
+ * Each 32 codes meet x's 16-bit parts (as infer_int8_gemm writes them) in one vpdpwssd, the
+ * sums starting from -c * x's pair sums (computed once per call), so a group's integer sum
+ * is exactly int8_gemm's sum(q * x); the groups are then scaled and added in int8_gemm's
+ * order: the results are bit-identical to the int8 kernel's on the unpacked codes.
+ */
+#if INT4_VNNI
+#define LOWBIT_KIND(kind) (((kind) & 3) == 3)
+typedef struct {
+    const uint8_t *q;
+    const void *s, *o;
+    const int16_t *xp;    /* [rows][nparts][K] */
+    const float *xscale;  /* [rows][nparts][K/G] */
+    const float *xsum;    /* [rows][K/G] */
+    const __m512i *corr;  /* [rows][nparts][units]: -c * x's pair sums, a unit = max(G, 32) codes */
+    void *y;
+    int64_t rows, k, group, n, nparts, bf16_out, bits, half;
+} lowbit_job;
+
+static inline void lowbit_store(const lowbit_job *j, int64_t t, int64_t r, float v) {
+    if (j->bf16_out)
+        ((uint16_t *)j->y)[t * j->n + r] = bf16_store(v);
+    else
+        ((float *)j->y)[t * j->n + r] = v;
+}
+
+static inline __m512 lowbit_scale1(const void *p, int64_t i, const int HALF) {
+    return _mm512_set1_ps(HALF ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i]);
+}
+static inline __m512 lowbit_scale2(const void *p, int64_t i, const int HALF) { /* lanes 0-7: [i], 8-15: [i + 1] */
+    return HALF ? int4_two_f16((const uint16_t *)p + i) : int4_two_f32((const float *)p + i);
+}
+
+/* The 32 + 32 codes of a block at `blk` as 16-bit lanes: lo = u[0..31], hi = u[32..63]. */
+#define LOWBIT_CODES(blk, lo, hi)                                                                  \
+    __m512i lo, hi;                                                                                \
+    if (BITS == 8) {                                                                               \
+        lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk)));                    \
+        hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((blk) + 32)));             \
+    } else {                                                                                       \
+        lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk)));                    \
+        hi = _mm512_srli_epi16(lo, 4);                                                             \
+        lo = _mm512_and_si512(lo, low4);                                                           \
+    }                                                                                              \
+    if (BITS == 5 || BITS == 6) {                                                                  \
+        uint64_t pl;                                                                               \
+        memcpy(&pl, (blk) + 32, 8);                                                                \
+        lo = _mm512_mask_add_epi16(lo, (__mmask32)pl, lo, b16);                                   \
+        hi = _mm512_mask_add_epi16(hi, (__mmask32)(pl >> 32), hi, b16);                           \
+    }                                                                                              \
+    if (BITS == 6) {                                                                               \
+        uint64_t pl;                                                                               \
+        memcpy(&pl, (blk) + 40, 8);                                                                \
+        lo = _mm512_mask_add_epi16(lo, (__mmask32)pl, lo, b32);                                   \
+        hi = _mm512_mask_add_epi16(hi, (__mmask32)(pl >> 32), hi, b32);                           \
+    }
+
+/* Output rows r..r+3 (quad r / 4) for activation row t. GK: 16, 32, or 64 (any multiple of 64). */
+static inline __attribute__((always_inline)) void lowbit_rows4(const lowbit_job *j, int64_t r, int64_t t,
+                                                               const int NP, const int GK, const int BITS,
+                                                               const int HALF) {
+    const __m512i low4 = _mm512_set1_epi16(15), b16 = _mm512_set1_epi16(16), b32 = _mm512_set1_epi16(32);
+    const int64_t k = j->k, ng = k / j->group, nb = k / 64, sb = BITS == 8 ? 64 : 32 + 8 * (BITS - 4), units = GK >= 64 ? ng : k / 32;
+    const int64_t per = GK >= 64 ? j->group / 64 : 1; /* blocks a group spans */
+    const uint8_t *base = j->q + (r / 4) * nb * 4 * sb, *ahead = base + nb * 4 * sb;
+    const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
+    const float *c1p = j->xscale + t * NP * ng, *c2p = c1p + ng;
+    const __m512i *r1 = j->corr + t * NP * units, *r2 = r1 + units;
+    const int64_t s0 = r * ng, s1 = s0 + ng, s2 = s1 + ng, s3 = s2 + ng;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512i i0 = _mm512_setzero_si512(), i1 = i0, i2 = i0, i3 = i0, k0 = i0, k1 = i0, k2 = i0, k3 = i0;
+/* one group's sums (i: first parts, kk: second) scaled by x's 2^e (cp) and the weight scales into a */
+#define LOWBIT_FINISH(g, XS, WS)                                                                   \
+    do {                                                                                           \
+        __m512 c1 = XS(c1p, g);                                                                    \
+        __m512 f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), c1), f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), c1); \
+        __m512 f2 = _mm512_mul_ps(_mm512_cvtepi32_ps(i2), c1), f3 = _mm512_mul_ps(_mm512_cvtepi32_ps(i3), c1); \
+        if (NP == 2) {                                                                             \
+            __m512 c2 = XS(c2p, g);                                                                \
+            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k0), c2, f0);                                  \
+            f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k1), c2, f1);                                  \
+            f2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k2), c2, f2);                                  \
+            f3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(k3), c2, f3);                                  \
+        }                                                                                          \
+        a0 = _mm512_fmadd_ps(f0, WS(j->s, s0 + (g), HALF), a0);                                    \
+        a1 = _mm512_fmadd_ps(f1, WS(j->s, s1 + (g), HALF), a1);                                    \
+        a2 = _mm512_fmadd_ps(f2, WS(j->s, s2 + (g), HALF), a2);                                    \
+        a3 = _mm512_fmadd_ps(f3, WS(j->s, s3 + (g), HALF), a3);                                    \
+    } while (0)
+#define LOWBIT_X1(p, g) _mm512_set1_ps((p)[g])
+#define LOWBIT_X2(p, g) int4_two_f32((p) + (g))
+/* the sums of one 32-code half (codes L0..L3 against x at xa / ya) started from unit u's corrections */
+#define LOWBIT_DOT(u, L0, L1, L2, L3, XA, YA, START)                                               \
+    do {                                                                                           \
+        if (START) i0 = i1 = i2 = i3 = r1[u];                                                      \
+        i0 = _mm512_dpwssd_epi32(i0, L0, XA);                                                      \
+        i1 = _mm512_dpwssd_epi32(i1, L1, XA);                                                      \
+        i2 = _mm512_dpwssd_epi32(i2, L2, XA);                                                      \
+        i3 = _mm512_dpwssd_epi32(i3, L3, XA);                                                      \
+        if (NP == 2) {                                                                             \
+            if (START) k0 = k1 = k2 = k3 = r2[u];                                                  \
+            k0 = _mm512_dpwssd_epi32(k0, L0, YA);                                                  \
+            k1 = _mm512_dpwssd_epi32(k1, L1, YA);                                                  \
+            k2 = _mm512_dpwssd_epi32(k2, L2, YA);                                                  \
+            k3 = _mm512_dpwssd_epi32(k3, L3, YA);                                                  \
+        }                                                                                          \
+    } while (0)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = base + b * 4 * sb;
+        for (int64_t off = 0; off < 4 * sb; off += 64) _mm_prefetch((const char *)(ahead + b * 4 * sb + off), _MM_HINT_T0);
+        LOWBIT_CODES(blk, l0, h0);
+        LOWBIT_CODES(blk + sb, l1, h1);
+        LOWBIT_CODES(blk + 2 * sb, l2, h2);
+        LOWBIT_CODES(blk + 3 * sb, l3, h3);
+        const int16_t *xb = x1 + b * 64, *yb = x2 + b * 64;
+        __m512i xa = _mm512_loadu_si512((const void *)xb), xh = _mm512_loadu_si512((const void *)(xb + 32));
+        __m512i ya = xa, yh = xh;
+        if (NP == 2) {
+            ya = _mm512_loadu_si512((const void *)yb);
+            yh = _mm512_loadu_si512((const void *)(yb + 32));
+        }
+        if (GK == 32) { /* the block is groups 2b and 2b + 1 */
+            LOWBIT_DOT(2 * b, l0, l1, l2, l3, xa, ya, 1);
+            LOWBIT_FINISH(2 * b, LOWBIT_X1, lowbit_scale1);
+            LOWBIT_DOT(2 * b + 1, h0, h1, h2, h3, xh, yh, 1);
+            LOWBIT_FINISH(2 * b + 1, LOWBIT_X1, lowbit_scale1);
+        } else if (GK == 16) { /* groups 4b, 4b + 1 in the first half's lanes, 4b + 2, 4b + 3 in the second's */
+            LOWBIT_DOT(2 * b, l0, l1, l2, l3, xa, ya, 1);
+            LOWBIT_FINISH(4 * b, LOWBIT_X2, lowbit_scale2);
+            LOWBIT_DOT(2 * b + 1, h0, h1, h2, h3, xh, yh, 1);
+            LOWBIT_FINISH(4 * b + 2, LOWBIT_X2, lowbit_scale2);
+        } else { /* a group of `per` blocks */
+            int64_t g = b / per;
+            LOWBIT_DOT(g, l0, l1, l2, l3, xa, ya, b % per == 0);
+            LOWBIT_DOT(g, h0, h1, h2, h3, xh, yh, 0);
+            if ((b + 1) % per == 0) LOWBIT_FINISH(g, LOWBIT_X1, lowbit_scale1);
+        }
+    }
+#undef LOWBIT_DOT
+#undef LOWBIT_X2
+#undef LOWBIT_X1
+#undef LOWBIT_FINISH
+    const float *xs = j->xsum + t * ng;
+#define LOWBIT_OFFSETS(m)                                                                          \
+    (!j->o ? 0.0f : HALF ? dot_f16_tail((const uint16_t *)j->o + (r + m) * ng, xs, ng)           \
+                         : dot_f32_tail((const float *)j->o + (r + m) * ng, xs, ng))
+    lowbit_store(j, t, r, _mm512_reduce_add_ps(a0) + LOWBIT_OFFSETS(0));
+    lowbit_store(j, t, r + 1, _mm512_reduce_add_ps(a1) + LOWBIT_OFFSETS(1));
+    lowbit_store(j, t, r + 2, _mm512_reduce_add_ps(a2) + LOWBIT_OFFSETS(2));
+    lowbit_store(j, t, r + 3, _mm512_reduce_add_ps(a3) + LOWBIT_OFFSETS(3));
+#undef LOWBIT_OFFSETS
+}
+#undef LOWBIT_CODES
+
+static void lowbit_task(const void *args, int64_t part, int64_t parts) {
+    const lowbit_job *j = (const lowbit_job *)args;
+    int64_t quads = j->n / 4, lo = quads * part / parts * 4, hi = quads * (part + 1) / parts * 4;
+    int gk = j->group == 16 ? 16 : j->group == 32 ? 32 : 64;
+    int variant = ((j->nparts == 2) * 3 + (gk == 16 ? 0 : gk == 32 ? 1 : 2)) * 8 + (int)(j->bits == 8 ? 3 : j->bits - 4) * 2
+                  + (j->half != 0);
+    for (int64_t r = lo; r < hi; r += 4)
+        for (int64_t t = 0; t < j->rows; t++) {
+            switch (variant) {
+#define LOWBIT_CASE(v, NP, GK, BITS, HALF) case v: lowbit_rows4(j, r, t, NP, GK, BITS, HALF); break;
+#define LOWBIT_CASES_BITS(v, NP, GK) LOWBIT_CASE(v, NP, GK, 4, 0) LOWBIT_CASE(v + 1, NP, GK, 4, 1)               \
+    LOWBIT_CASE(v + 2, NP, GK, 5, 0) LOWBIT_CASE(v + 3, NP, GK, 5, 1) LOWBIT_CASE(v + 4, NP, GK, 6, 0)          \
+    LOWBIT_CASE(v + 5, NP, GK, 6, 1) LOWBIT_CASE(v + 6, NP, GK, 8, 0) LOWBIT_CASE(v + 7, NP, GK, 8, 1)
+            LOWBIT_CASES_BITS(0, 1, 16) LOWBIT_CASES_BITS(8, 1, 32) LOWBIT_CASES_BITS(16, 1, 64)
+            LOWBIT_CASES_BITS(24, 2, 16) LOWBIT_CASES_BITS(32, 2, 32) LOWBIT_CASES_BITS(40, 2, 64)
+#undef LOWBIT_CASES_BITS
+#undef LOWBIT_CASE
+            default: break;
+            }
+        }
+}
+
+/* the packed kernel on x prepared as infer_int8_gemm prepares it; -1: a shape it does not take */
+static int lowbit_run(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t kind, const int16_t *xp,
+                      const float *xscale, const float *xsum, void *y, int64_t rows, int64_t k, int64_t n, int64_t np,
+                      int64_t bf16_out, int64_t threads) {
+    int64_t bits = (kind >> 4) & 15, half = (kind >> 8) & 1, c = ((kind >> 12) & 511) - 256;
+    if (bits < 4 || bits == 7 || bits > 8 || k % 64 || (group != 16 && group != 32 && group % 64)) return -1;
+    int64_t ng = k / group, units = group >= 64 ? ng : k / 32, per = group >= 64 ? group / 32 : 1;
+    __m512i *corr = (__m512i *)aligned_alloc(64, sizeof(__m512i) * rows * np * units);
+    if (!corr) return -2;
+    const __m512i minus_c = _mm512_set1_epi16((int16_t)-c);
+    for (int64_t tp = 0; tp < rows * np; tp++) /* row t's part p is tp = t * np + p: parts are K apart */
+        for (int64_t u = 0; u < units; u++) {
+            __m512i acc = _mm512_setzero_si512();
+            for (int64_t ch = 0; c && ch < per; ch++)
+                acc = _mm512_dpwssd_epi32(acc, minus_c, _mm512_loadu_si512((const void *)(xp + tp * k + (u * per + ch) * 32)));
+            corr[tp * units + u] = acc;
+        }
+    lowbit_job job = {q, s, o, xp, xscale, xsum, corr, y, rows, k, group, n, np, bf16_out, bits, half};
+    int64_t parts = threads < 1 ? 1 : threads;
+    if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;
+    pool_run(lowbit_task, &job, parts);
+    free(corr);
+    return 0;
+}
+#endif
+
 #define INT8V_MAX_ROWS 32
 #define DEF_INT8_GEMM(SUF, T, LD, BF16_OUT)                                                                 \
     int infer_int8_gemm_##SUF(const int8_t *q, const float *s, const float *o, int64_t group, int64_t kind, \
                               const T *x, int64_t xs, int64_t rows, int64_t k, T *y, int64_t n,              \
                               int64_t threads) {                                                              \
-        (void)kind;                                                                                         \
         if (!INT4_VNNI) return -3;                                                                          \
         if ((group != 16 && group % 32) || k % 32 || k % group || n % 4 || rows < 1 || rows > INT8V_MAX_ROWS) \
             return -1;                                                                                      \
@@ -1513,20 +1724,23 @@ static void int8v_task(const void *args, int64_t part, int64_t parts) {
                 int16_parts(xf + at, xf + at + h, h, np, xt + at, xt + at + h, k, xscale + t * np * ng + g, ng); \
             }                                                                                               \
         }                                                                                                   \
+        int rc = 0;                                                                                         \
         INT8V_RUN(BF16_OUT)                                                                                 \
         free(xp); free(xsum); free(xf);                                                                     \
-        return 0;                                                                                           \
+        return rc;                                                                                          \
     }
 #if INT4_VNNI
 #define INT8V_RUN(BF16_OUT)                                                                                 \
-    {                                                                                                       \
+    if (LOWBIT_KIND(kind)) {                                                                                \
+        rc = lowbit_run((const uint8_t *)q, s, o, group, kind, xp, xscale, xsum, y, rows, k, n, np, BF16_OUT, threads); \
+    } else {                                                                                                \
         int8v_job job = {q, s, o, xp, xscale, xsum, y, rows, k, group, n, np, BF16_OUT};                    \
         int64_t parts = threads < 1 ? 1 : threads;                                                          \
         if (parts > n / 64) parts = n / 64 > 0 ? n / 64 : 1;                                                \
         pool_run(int8v_task, &job, parts);                                                                  \
     }
 #else
-#define INT8V_RUN(BF16_OUT) (void)y, (void)threads, (void)xscale, (void)xs;
+#define INT8V_RUN(BF16_OUT) (void)y, (void)threads, (void)xscale, (void)xs, (void)kind;
 #endif
 
 DEF_INT8_GEMM(f32, float, f32_load, 0)
@@ -2171,12 +2385,12 @@ int infer_mla_block_bf16(const uint16_t *x, int64_t rows, const int64_t *positio
 
 /* A fused layer's projection: an int4 weight (as infer_int4_gemm), or with bf16 activations
  * a dense bf16 [n, k] weight, passed as `q` with no scales (s NULL). */
-/* kind (the `f16` slot of a weight's arguments) 2: an int8 weight (infer_int8_gemm) */
+/* kind (the `f16` slot of a weight's arguments) 2: an int8 weight (infer_int8_gemm); 3 | ...: its packed few-bit codes (LOWBIT_KIND) */
 #define LAYER_INT8 2
 static int layer_gemm_f32(const uint8_t *q, const void *s, const void *o, int64_t group, int64_t f16, const float *x,
                           int64_t xs, int64_t rows, int64_t k, float *y, int64_t n, int64_t threads) {
     if (!s) return -3;
-    if (f16 == LAYER_INT8)
+    if (f16 >= LAYER_INT8)
         return infer_int8_gemm_f32((const int8_t *)q, s, o, group, f16, x, xs, rows, k, y, n, threads);
     return infer_int4_gemm_f32(q, s, o, group, f16, x, xs, rows, k, y, n, threads);
 }
@@ -2185,7 +2399,7 @@ static int layer_gemm_bf16(const uint8_t *q, const void *s, const void *o, int64
                            const uint16_t *x, int64_t xs, int64_t rows, int64_t k, uint16_t *y, int64_t n,
                            int64_t threads) {
     if (!s) return infer_bf16_gemv(x, xs, rows, k, (const uint16_t *)q, y, n, threads);
-    if (f16 == LAYER_INT8)
+    if (f16 >= LAYER_INT8)
         return infer_int8_gemm_bf16((const int8_t *)q, s, o, group, f16, x, xs, rows, k, y, n, threads);
     return infer_int4_gemm_bf16(q, s, o, group, f16, x, xs, rows, k, y, n, threads);
 }

@@ -465,19 +465,69 @@ class Int8Native:
     """An int8 group weight (with or without offsets) checked once for the integer GEMM
     (`infer_int8_gemm`: VNNI builds only)."""
 
-    qweight: torch.Tensor
-    scales: torch.Tensor
+    qweight: torch.Tensor  # [N, K] int8, or (bits < 8) the packed codes (kernels.c, LOWBIT_KIND)
+    scales: torch.Tensor  # float32, or float16 where exact (packed codes only)
     offsets: torch.Tensor | None
     args: tuple[int, int, int, int, int]  # qweight, scales, offsets (0: none) pointers, group size, kind
+    bits: int = 8  # bits a packed code takes: 4, 5, 6 or 8
+    centre: int = 0  # packed codes are q + centre
+    dims: tuple[int, int] = (0, 0)  # [N, K] of a packed weight; (0, 0): qweight is the int8 [N, K]
+
+    @property
+    def packed(self) -> bool:
+        return self.dims != (0, 0)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        return self.dims if self.packed else tuple(self.qweight.shape)
+
+    def codes(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """int8 q of the given rows (a packed weight's codes unpacked)."""
+        if not self.packed:
+            return self.qweight[rows]
+        n, k = self.dims
+        blocks = self.qweight.view(n // 4, k // 64, 4, -1)
+        ids = torch.arange(n)[rows]
+        b = blocks[ids // 4, :, ids % 4]  # [R, K/64, block bytes]
+        if self.bits == 8:
+            return b.reshape(len(ids), k).view(torch.int8)
+        b = b.to(torch.int16)
+        u = torch.cat((b[..., :32] & 15, b[..., :32] >> 4), -1)
+        for p in range(self.bits - 4):
+            plane = b[..., 32 + 8 * p:40 + 8 * p]
+            u += ((plane[..., None] >> _BIT_INDEX) & 1).flatten(-2) << (4 + p)
+        return (u.view(len(ids), k) - self.centre).to(torch.int8)
 
 
-def int8_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int):
+_BIT_INDEX = torch.arange(8, dtype=torch.int16)
+
+
+def _pack_low_bits(q: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """[N, K] int8 codes as the packed layout of kernels.c (LOWBIT_KIND): (bytes, bits, centre);
+    codes spanning 64 values or more keep 8 bits."""
+    n, k = q.shape
+    lo, hi = (int(v) for v in torch.aminmax(q))
+    bits = next((b for b in (4, 5, 6) if hi - lo < 1 << b), 8)
+    if bits == 8:
+        return q.view(torch.uint8).view(n // 4, 4, k // 64, 64).transpose(1, 2).contiguous().view(-1), 8, 0
+    u = (q.to(torch.int16) - lo).view(n, k // 64, 64)
+    parts = [((u[..., :32] & 15) | ((u[..., 32:] & 15) << 4)).to(torch.uint8)]
+    for p in range(bits - 4):
+        bit = ((u >> (4 + p)) & 1).view(n, k // 64, 8, 8) << _BIT_INDEX
+        parts.append(bit.sum(-1).to(torch.uint8))
+    packed = torch.cat(parts, -1).view(n // 4, 4, k // 64, -1).transpose(1, 2).contiguous()
+    return packed.view(-1), bits, -lo
+
+
+def int8_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group_size: int,
+                 pack: bool = True):
     """The weight as `infer_int8_gemm` reads it, or None where it cannot (no VNNI; N % 4,
-    K % 32; groups other than 16 or a multiple of 32; not contiguous float32 tables)."""
+    K % 32; groups other than 16 or a multiple of 32; not contiguous float32 tables).
+
+    Codes spanning fewer than 64 values (GGUF Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, MXFP4: the int8
+    form of 3- to 6-bit formats) are packed (`pack`) into 4, 5 or 6 bits with float16 scales
+    where exact: a decode step streams what the GGUF file stores, not 1.125 bytes a weight,
+    and the results are bit-identical to the int8 kernel's."""
     lib = library()
     if lib is None or not lib.infer_int4_half_scales():  # the VNNI build
         return None
@@ -489,6 +539,15 @@ def int8_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
     if offsets is not None and (offsets.dtype != torch.float32 or not offsets.is_contiguous()
                                 or offsets.shape != scales.shape):
         return None
+    if pack and k % 64 == 0 and (group_size in (16, 32) or group_size % 64 == 0):
+        halves = (_half_copy(scales), None if offsets is None else _half_copy(offsets))
+        half = halves[0] is not None and (offsets is None or halves[1] is not None)
+        if half:
+            scales, offsets = halves
+        codes, bits, centre = _pack_low_bits(qweight)
+        kind = _INT8_KIND + 1 | bits << 4 | int(half) << 8 | (centre + 256) << 12
+        pointers = (codes.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr())
+        return Int8Native(codes, scales, offsets, (*pointers, group_size, kind), bits, centre, (n, k))
     pointers = (qweight.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr())
     return Int8Native(qweight, scales, offsets, (*pointers, group_size, _INT8_KIND))
 
