@@ -16,6 +16,7 @@ from ..primitives.types import AttentionMetadata, DenseWeight, WeightHandle
 from . import quant_params
 from .kv_groups import KVCacheGroups, plan_kv_groups
 from .lowering import VIEW_OPS, Call, Program
+from .memory import trim_heap
 from .rope import cos_sin_cache
 
 
@@ -214,6 +215,11 @@ class ModelRunner:
                 for key, t in table.items():
                     if t is original:
                         table[key] = replacement
+            if isinstance(handle, WeightHandle) and not isinstance(handle, DenseWeight):
+                # A backend that re-lays a quantized weight out frees the loaded arrays now: give
+                # their pages back one weight at a time, or they add up to the peak before the end.
+                del original
+                trim_heap(collect=False)
 
     def _linear_weight(self, call: Call) -> WeightHandle:
         key = (call.params["weight"], call.params.get("bias"))
