@@ -1486,8 +1486,11 @@ static void int8v_task(const void *args, int64_t part, int64_t parts) {
  *   kind = 3 | bits << 4 | half << 8 | (c + 256) << 12
  * Each 32 codes meet x's 16-bit parts (as infer_int8_gemm writes them) in one vpdpwssd, the
  * sums starting from -c * x's pair sums (computed once per call), so a group's integer sum
- * is exactly int8_gemm's sum(q * x); the groups are then scaled and added in int8_gemm's
- * order: the results are bit-identical to the int8 kernel's on the unpacked codes.
+ * is exactly int8_gemm's sum(q * x). Groups of 32 are packed with the first 16 codes of
+ * groups 2b and 2b + 1 in a block's first half and their last 16 in the second (lowbit_lo),
+ * so one dot product's lanes hold both groups and one scaling serves them; groups of 16 the
+ * same with four groups in quarters (lowbit_quarters). Their lanes sum in another order than
+ * int8_gemm's (results equal to float32 rounding); larger groups keep its results bit for bit.
  */
 #if INT4_VNNI
 #define LOWBIT_KIND(kind) (((kind) & 3) == 3)
@@ -1515,8 +1518,32 @@ static inline __m512 lowbit_scale1(const void *p, int64_t i, const int HALF) {
 static inline __m512 lowbit_scale2(const void *p, int64_t i, const int HALF) { /* lanes 0-7: [i], 8-15: [i + 1] */
     return HALF ? int4_two_f16((const uint16_t *)p + i) : int4_two_f32((const float *)p + i);
 }
+static inline __m512 lowbit_four(__m128 v) { /* lanes 4m..4m + 3: v[m] */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+static inline __m512 lowbit_scale4(const void *p, int64_t i, const int HALF) { /* lanes 4m..4m + 3: [i + m] */
+    return lowbit_four(HALF ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i)))
+                            : _mm_loadu_ps((const float *)p + i));
+}
 
-/* The 32 + 32 codes of a block at `blk` as 16-bit lanes: lo = u[0..31], hi = u[32..63]. */
+/* x's 16-bit parts for the two halves of a block of groups of 32: codes 0-15 of both groups
+ * (lanes 0-7 of a dot product: group 2b, 8-15: group 2b + 1), then codes 16-31 of both. */
+static inline __m512i lowbit_lo(const int16_t *x) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x)),
+                              _mm256_loadu_si256((const __m256i *)(x + 32)), 1);
+}
+static inline __m512i lowbit_hi(const int16_t *x) { return lowbit_lo(x + 16); }
+/* groups of 16: codes 0-7 of the block's four groups (a dot product's lanes 4m..4m + 3: group
+ * 4b + m); at x + 8, codes 8-15 of each */
+static inline __m512i lowbit_quarters(const int16_t *x) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)x));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x + 16)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x + 32)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(x + 48)), 3);
+}
+
+/* The 32 + 32 codes of a block at `blk` as 16-bit lanes: lo = the block's codes 0..31, hi =
+ * 32..63, in the packed order (groups of 32: lowbit_lo's, then lowbit_hi's). */
 #define LOWBIT_CODES(blk, lo, hi)                                                                  \
     __m512i lo, hi;                                                                                \
     if (BITS == 8) {                                                                               \
@@ -1545,7 +1572,8 @@ static inline __attribute__((always_inline)) void lowbit_rows4(const lowbit_job 
                                                                const int NP, const int GK, const int BITS,
                                                                const int HALF) {
     const __m512i low4 = _mm512_set1_epi16(15), b16 = _mm512_set1_epi16(16), b32 = _mm512_set1_epi16(32);
-    const int64_t k = j->k, ng = k / j->group, nb = k / 64, sb = BITS == 8 ? 64 : 32 + 8 * (BITS - 4), units = GK >= 64 ? ng : k / 32;
+    const int64_t k = j->k, ng = k / j->group, nb = k / 64, sb = BITS == 8 ? 64 : 32 + 8 * (BITS - 4);
+    const int64_t units = GK >= 64 ? ng : nb;
     const int64_t per = GK >= 64 ? j->group / 64 : 1; /* blocks a group spans */
     const uint8_t *base = j->q + (r / 4) * nb * 4 * sb, *ahead = base + nb * 4 * sb;
     const int16_t *x1 = j->xp + t * NP * k, *x2 = x1 + k;
@@ -1574,6 +1602,7 @@ static inline __attribute__((always_inline)) void lowbit_rows4(const lowbit_job 
     } while (0)
 #define LOWBIT_X1(p, g) _mm512_set1_ps((p)[g])
 #define LOWBIT_X2(p, g) int4_two_f32((p) + (g))
+#define LOWBIT_X4(p, g) lowbit_four(_mm_loadu_ps((p) + (g)))
 /* the sums of one 32-code half (codes L0..L3 against x at xa / ya) started from unit u's corrections */
 #define LOWBIT_DOT(u, L0, L1, L2, L3, XA, YA, START)                                               \
     do {                                                                                           \
@@ -1600,20 +1629,22 @@ static inline __attribute__((always_inline)) void lowbit_rows4(const lowbit_job 
         const int16_t *xb = x1 + b * 64, *yb = x2 + b * 64;
         __m512i xa = _mm512_loadu_si512((const void *)xb), xh = _mm512_loadu_si512((const void *)(xb + 32));
         __m512i ya = xa, yh = xh;
-        if (NP == 2) {
+        if (NP == 2 && GK >= 64) {
             ya = _mm512_loadu_si512((const void *)yb);
             yh = _mm512_loadu_si512((const void *)(yb + 32));
         }
-        if (GK == 32) { /* the block is groups 2b and 2b + 1 */
-            LOWBIT_DOT(2 * b, l0, l1, l2, l3, xa, ya, 1);
-            LOWBIT_FINISH(2 * b, LOWBIT_X1, lowbit_scale1);
-            LOWBIT_DOT(2 * b + 1, h0, h1, h2, h3, xh, yh, 1);
-            LOWBIT_FINISH(2 * b + 1, LOWBIT_X1, lowbit_scale1);
-        } else if (GK == 16) { /* groups 4b, 4b + 1 in the first half's lanes, 4b + 2, 4b + 3 in the second's */
-            LOWBIT_DOT(2 * b, l0, l1, l2, l3, xa, ya, 1);
-            LOWBIT_FINISH(4 * b, LOWBIT_X2, lowbit_scale2);
-            LOWBIT_DOT(2 * b + 1, h0, h1, h2, h3, xh, yh, 1);
-            LOWBIT_FINISH(4 * b + 2, LOWBIT_X2, lowbit_scale2);
+        if (GK == 32) { /* groups 2b and 2b + 1, a half of each in each half of the block (lowbit_lo/hi) */
+            xa = lowbit_lo(xb), xh = lowbit_hi(xb);
+            if (NP == 2) ya = lowbit_lo(yb), yh = lowbit_hi(yb);
+            LOWBIT_DOT(b, l0, l1, l2, l3, xa, ya, 1);
+            LOWBIT_DOT(b, h0, h1, h2, h3, xh, yh, 0);
+            LOWBIT_FINISH(2 * b, LOWBIT_X2, lowbit_scale2);
+        } else if (GK == 16) { /* groups 4b..4b + 3, each in four lanes of both halves (lowbit_quarters) */
+            xa = lowbit_quarters(xb), xh = lowbit_quarters(xb + 8);
+            if (NP == 2) ya = lowbit_quarters(yb), yh = lowbit_quarters(yb + 8);
+            LOWBIT_DOT(b, l0, l1, l2, l3, xa, ya, 1);
+            LOWBIT_DOT(b, h0, h1, h2, h3, xh, yh, 0);
+            LOWBIT_FINISH(4 * b, LOWBIT_X4, lowbit_scale4);
         } else { /* a group of `per` blocks */
             int64_t g = b / per;
             LOWBIT_DOT(g, l0, l1, l2, l3, xa, ya, b % per == 0);
@@ -1622,6 +1653,7 @@ static inline __attribute__((always_inline)) void lowbit_rows4(const lowbit_job 
         }
     }
 #undef LOWBIT_DOT
+#undef LOWBIT_X4
 #undef LOWBIT_X2
 #undef LOWBIT_X1
 #undef LOWBIT_FINISH
@@ -1665,14 +1697,20 @@ static int lowbit_run(const uint8_t *q, const void *s, const void *o, int64_t gr
                       int64_t bf16_out, int64_t threads) {
     int64_t bits = (kind >> 4) & 15, half = (kind >> 8) & 1, c = ((kind >> 12) & 511) - 256;
     if (bits < 4 || bits == 7 || bits > 8 || k % 64 || (group != 16 && group != 32 && group % 64)) return -1;
-    int64_t ng = k / group, units = group >= 64 ? ng : k / 32, per = group >= 64 ? group / 32 : 1;
+    int64_t ng = k / group, units = group >= 64 ? ng : k / 64, per = group >= 64 ? group / 32 : 1;
     __m512i *corr = (__m512i *)aligned_alloc(64, sizeof(__m512i) * rows * np * units);
     if (!corr) return -2;
     const __m512i minus_c = _mm512_set1_epi16((int16_t)-c);
     for (int64_t tp = 0; tp < rows * np; tp++) /* row t's part p is tp = t * np + p: parts are K apart */
         for (int64_t u = 0; u < units; u++) {
             __m512i acc = _mm512_setzero_si512();
-            for (int64_t ch = 0; c && ch < per; ch++)
+            const int16_t *xb = xp + tp * k + u * 64;
+            if (c && group == 32)
+                acc = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, minus_c, lowbit_lo(xb)), minus_c, lowbit_hi(xb));
+            if (c && group == 16)
+                acc = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, minus_c, lowbit_quarters(xb)), minus_c,
+                                          lowbit_quarters(xb + 8));
+            for (int64_t ch = 0; c && group >= 64 && ch < per; ch++)
                 acc = _mm512_dpwssd_epi32(acc, minus_c, _mm512_loadu_si512((const void *)(xp + tp * k + (u * per + ch) * 32)));
             corr[tp * units + u] = acc;
         }

@@ -490,27 +490,37 @@ class Int8Native:
         ids = torch.arange(n)[rows]
         b = blocks[ids // 4, :, ids % 4]  # [R, K/64, block bytes]
         if self.bits == 8:
-            return b.reshape(len(ids), k).view(torch.int8)
-        b = b.to(torch.int16)
-        u = torch.cat((b[..., :32] & 15, b[..., :32] >> 4), -1)
-        for p in range(self.bits - 4):
-            plane = b[..., 32 + 8 * p:40 + 8 * p]
-            u += ((plane[..., None] >> _BIT_INDEX) & 1).flatten(-2) << (4 + p)
-        return (u.view(len(ids), k) - self.centre).to(torch.int8)
+            u = b.view(torch.int8)
+        else:
+            b = b.to(torch.int16)
+            u = torch.cat((b[..., :32] & 15, b[..., :32] >> 4), -1)
+            for p in range(self.bits - 4):
+                plane = b[..., 32 + 8 * p:40 + 8 * p]
+                u += ((plane[..., None] >> _BIT_INDEX) & 1).flatten(-2) << (4 + p)
+            u = u - self.centre
+        if self.args[3] in _GROUP_ORDER:
+            u = u[..., torch.argsort(_GROUP_ORDER[self.args[3]])]
+        return u.reshape(len(ids), k).to(torch.int8)
 
 
 _BIT_INDEX = torch.arange(8, dtype=torch.int16)
+# A block's packed order (kernels.c, lowbit_lo / lowbit_quarters): groups of 32, codes 0-15 of
+# both of its groups then 16-31 of both; groups of 16, codes 0-7 of its four, then 8-15.
+_GROUP_ORDER = {32: torch.arange(64).view(2, 2, 16).transpose(0, 1).reshape(-1),
+                16: torch.arange(64).view(4, 2, 8).transpose(0, 1).reshape(-1)}
 
 
-def _pack_low_bits(q: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+def _pack_low_bits(q: torch.Tensor, group: int) -> tuple[torch.Tensor, int, int] | None:
     """[N, K] int8 codes as the packed layout of kernels.c (LOWBIT_KIND): (bytes, bits, centre);
     codes spanning 64 values or more keep 8 bits."""
     n, k = q.shape
     lo, hi = (int(v) for v in torch.aminmax(q))
     bits = next((b for b in (4, 5, 6) if hi - lo < 1 << b), 8)
+    order = _GROUP_ORDER.get(group, slice(None))
     if bits == 8:
-        return q.view(torch.uint8).view(n // 4, 4, k // 64, 64).transpose(1, 2).contiguous().view(-1), 8, 0
-    u = (q.to(torch.int16) - lo).view(n, k // 64, 64)
+        u = q.view(torch.uint8).view(n // 4, 4, k // 64, 64)[..., order]
+        return u.transpose(1, 2).contiguous().view(-1), 8, 0
+    u = (q.to(torch.int16) - lo).view(n, k // 64, 64)[..., order]
     parts = [((u[..., :32] & 15) | ((u[..., 32:] & 15) << 4)).to(torch.uint8)]
     for p in range(bits - 4):
         bit = ((u >> (4 + p)) & 1).view(n, k // 64, 8, 8) << _BIT_INDEX
@@ -526,8 +536,8 @@ def int8_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
 
     Codes spanning fewer than 64 values (GGUF Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, MXFP4: the int8
     form of 3- to 6-bit formats) are packed (`pack`) into 4, 5 or 6 bits with float16 scales
-    where exact: a decode step streams what the GGUF file stores, not 1.125 bytes a weight,
-    and the results are bit-identical to the int8 kernel's."""
+    where exact: a decode step streams what the GGUF file stores, not 1.125 bytes a weight;
+    the results are the int8 kernel's (to float32 rounding; see LOWBIT_KIND)."""
     lib = library()
     if lib is None or not lib.infer_int4_half_scales():  # the VNNI build
         return None
@@ -544,7 +554,7 @@ def int8_prepare(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
         half = halves[0] is not None and (offsets is None or halves[1] is not None)
         if half:
             scales, offsets = halves
-        codes, bits, centre = _pack_low_bits(qweight)
+        codes, bits, centre = _pack_low_bits(qweight, group_size)
         kind = _INT8_KIND + 1 | bits << 4 | int(half) << 8 | (centre + 256) << 12
         pointers = (codes.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr())
         return Int8Native(codes, scales, offsets, (*pointers, group_size, kind), bits, centre, (n, k))
