@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .primitives.backend import Backend
+from .primitives.binding import weight_key
 from .primitives.spec import CHECKS, PRIMITIVES
 from .primitives.types import Support, expand_block_table
 from .registry import BackendUnavailableError, get_backend
@@ -221,7 +222,7 @@ class Ops:
         return out
 
     def prepare_weight(self, weight):
-        return self.provider("linear", weight_kind=weight.kind).prepare_weight(weight)
+        return self.provider("linear", **weight_key(weight)).prepare_weight(weight)
 
     def _check_cache_layout(self) -> None:
         # kv_write, attention and the cache itself must agree on the layout; a

@@ -67,6 +67,9 @@ class Backend(ABC):
     kv_cache_layout: ClassVar[str] = "[2, num_blocks, block_size, num_kv_heads, head_dim]"
     dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     weight_kinds: ClassVar[tuple[str, ...]] = ("dense",)
+    # Activation quantizations `linear` applies when a weight asks (`Int8GroupWeight.act_quant`,
+    # `types.ACT_QUANTS`); a backend that lists none is never handed such a weight.
+    act_quants: ClassVar[tuple[str, ...]] = ()
     # KV cache storage kv_write/attention handle: 'auto' (the model dtype) and
     # 'fp8' (e4m3 codes with per-tensor scales, see spec.kv_write).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
@@ -105,7 +108,8 @@ class Backend(ABC):
         """Whether `primitive` runs here for the static properties in `kw`.
 
         Keys the core may pass: ``dtype`` (a name from FLOAT_DTYPES),
-        ``weight_kind`` (linear, embedding of a quantized table),
+        ``weight_kind`` (linear, embedding of a quantized table), ``act_quant`` (linear, only
+        when its weight quantizes activations: 'int8_token'),
         ``kv_cache_dtype`` (kv_write, attention; only when not 'auto'), ``head_dim``, ``sliding_window`` (bool),
         ``soft_cap`` (bool), ``shared_expert`` (bool, moe). Unknown keys must be ignored. The default
         answer: implemented methods support the declared dtypes and weight kinds.
@@ -120,6 +124,10 @@ class Backend(ABC):
         kind = kw.get("weight_kind")
         if kind is not None and kind not in self.weight_kinds:
             return Support(False, f"backend '{self.name}' supports weights {self.weight_kinds}, not {kind}")
+        act_quant = kw.get("act_quant")
+        if act_quant is not None and act_quant not in self.act_quants:
+            return Support(False, f"backend '{self.name}' quantizes activations as {self.act_quants or 'nothing'}, "
+                                  f"not {act_quant}")
         cache = kw.get("kv_cache_dtype")
         if cache is not None and primitive in ("kv_write", "attention") and cache not in self.kv_cache_dtypes:
             return Support(False, f"backend '{self.name}' keeps KV caches as {self.kv_cache_dtypes}, not {cache}")

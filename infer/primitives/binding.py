@@ -85,6 +85,16 @@ def arguments(primitive: str, named: Mapping[str, Any]) -> list[Any]:
     return args
 
 
+def weight_key(weight: WeightHandle) -> dict[str, Any]:
+    """What `linear`'s dispatch key says about its weight: the kind, and the activation
+    quantization it asks for (`Int8GroupWeight.act_quant`) when it asks for one."""
+    key: dict[str, Any] = {"weight_kind": weight.kind}
+    act_quant = getattr(weight, "act_quant", None)
+    if act_quant is not None:
+        key["act_quant"] = act_quant
+    return key
+
+
 def dispatch_key(primitive: str, *, dtype: str, named: Mapping[str, Any] = {}, kv_cache_dtype: str = "auto",
                  head_dim: int | None = None) -> dict[str, Any]:
     """The static properties `Backend.supports` is asked about for one call site.
@@ -94,9 +104,9 @@ def dispatch_key(primitive: str, *, dtype: str, named: Mapping[str, Any] = {}, k
     """
     key: dict[str, Any] = {"dtype": dtype}
     if primitive == "linear":
-        key["weight_kind"] = named["weight"].kind
+        key.update(weight_key(named["weight"]))
     elif primitive == "embedding" and isinstance(named.get("table"), WeightHandle):
-        key["weight_kind"] = named["table"].kind
+        key["weight_kind"] = named["table"].kind  # a gathered row is not a linear's input: no act_quant
     elif primitive == "moe":
         if named.get("shared") is not None:
             key["shared_expert"] = True

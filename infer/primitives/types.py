@@ -358,10 +358,17 @@ class Int8GroupWeight(_QuantizedWeight):
     """8-bit weight ``[N, K]``: ``w[n, k] = q[n, k] * scales[n, k // G] (+ offsets[n, k // G])``.
 
     Symmetric without offsets (GGUF Q8_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS,
-    MXFP4's doubled E2M1 codes), affine with them (Q5_1's ``d * q + m``,
-    Q5_K's sub-block mins).
+    MXFP4's doubled E2M1 codes, compressed-tensors' int8 and 5..8-bit weights),
+    affine with them (Q5_1's ``d * q + m``, Q5_K's sub-block mins).
 
       qweight  [N, K] int8.   scales [N, K/G] float32.   offsets None or [N, K/G] float32.
+
+    ``act_quant`` (None: weight-only) quantizes `linear`'s input as well, as
+    W8A8 checkpoints were calibrated: ``"int8_token"`` is dynamic symmetric
+    int8 per token row, `infer.primitives.act_quant` (``y = fq(x) @ w.T``,
+    with ``fq(x) = round_half_even(x / s) * s``, ``s = max|x| / 127`` per row).
+    It is part of the dispatch key (``supports("linear", act_quant=...)``):
+    a backend that does not declare it in `Backend.act_quants` is not asked.
     """
 
     kind: ClassVar[str] = "int8_group"
@@ -372,6 +379,7 @@ class Int8GroupWeight(_QuantizedWeight):
     dtype: str = "float32"
     prepared: Any = field(default=None, repr=False)
     offsets: Any = None  # last, so positional construction (q, scales, G, bias, dtype) keeps its meaning
+    act_quant: str | None = None  # after offsets, for the same reason
 
 
 @dataclass(slots=True)
@@ -393,6 +401,8 @@ class Fp8Weight(_QuantizedWeight):
 
 
 QUANTIZED_KINDS = (Int4GroupWeight.kind, Int8GroupWeight.kind, Fp8Weight.kind)
+# Activation quantizations a weight may ask of `linear` (`Int8GroupWeight.act_quant`).
+ACT_QUANTS = ("int8_token",)
 
 
 def round_to_dtype(x, dtype: str):
