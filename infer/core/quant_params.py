@@ -39,7 +39,8 @@ def concat_rows(parts: Sequence[Any], what: str = "a fused weight") -> WeightHan
     handles = [p for p in parts if isinstance(p, WeightHandle)]
     same = len(handles) == len(parts) and all(
         type(p) is type(first) and getattr(p, "group_size", None) == getattr(first, "group_size", None)
-        and (getattr(p, "offsets", None) is None) == (getattr(first, "offsets", None) is None) for p in parts)
+        and (getattr(p, "offsets", None) is None) == (getattr(first, "offsets", None) is None)
+        and getattr(p, "act_quant", None) == getattr(first, "act_quant", None) for p in parts)
     if not same:
         common = _common_form(parts) if len(handles) == len(parts) else None
         if common is None:
@@ -74,6 +75,8 @@ def _common_form(parts: Sequence[WeightHandle]) -> list[WeightHandle] | None:
     part in int8 doubles its codes), never exactness."""
     if not all(isinstance(p, (Int4GroupWeight, Int8GroupWeight)) for p in parts):
         return None
+    if any(getattr(p, "act_quant", None) is not None for p in parts):
+        return None  # parts quantizing activations differently share no handle
     group = min(p.group_size for p in parts)
     if any(p.group_size % group for p in parts):
         return None

@@ -135,13 +135,19 @@ class QuantizedHF:
 
 
 def with_quantization(ckpt: Any) -> Any:
-    """`ckpt` itself for a float checkpoint, else a `QuantizedHF` view of it."""
+    """`ckpt` itself for a float checkpoint, else a `QuantizedHF` view of it (a
+    `quant_ct.CompressedTensorsHF` one for compressed-tensors)."""
     qconfig = ckpt.config.get("quantization_config")
     if not qconfig:
         return ckpt
     method = qconfig.get("quant_method")
+    if method == "compressed-tensors":
+        from .quant_ct import open_compressed_tensors
+
+        return open_compressed_tensors(ckpt, qconfig)
     if method not in _PARTS:
-        raise LoaderError(f"{ckpt.path}: quant_method {method!r} is not supported (infer reads awq, gptq, fp8 and GGUF)")
+        raise LoaderError(f"{ckpt.path}: quant_method {method!r} is not supported (infer reads awq, gptq, fp8, "
+                          "compressed-tensors and GGUF)")
     if method in ("awq", "gptq") and qconfig.get("bits", 4) != 4:
         raise LoaderError(f"{ckpt.path}: {method} with {qconfig.get('bits')} bits; infer reads 4-bit {method} only")
     if method == "awq" and str(qconfig.get("version", "gemm")).lower() != "gemm":
