@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...primitives.backend import FastPath, Support
-from ...primitives.types import FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
-from . import collectives, fast_paths, fused, native, ops, quant_linear
+from ...primitives.types import ACT_QUANTS, FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
+from . import act_quant, collectives, fast_paths, fused, native, ops, quant_linear
 from .attention import LazyPlan, attention, kv_write, lazy_plan, mla_attention, mla_kv_write
 from .lora import lora
 from .moe import moe
@@ -35,6 +35,7 @@ class TorchBackend(TorchTensors):
     preferred_block_size = 16
     dtypes = FLOAT_DTYPES
     weight_kinds = ("dense", *QUANTIZED_KINDS)
+    act_quants = ACT_QUANTS  # act_quant.py
     kv_cache_dtypes = ("auto", "fp8")
     fallback = None
 
@@ -48,6 +49,8 @@ class TorchBackend(TorchTensors):
 
     def fast_path(self, primitive: str, **kw: Any) -> FastPath | None:
         # The native C kernels on CPU (fast_paths.py); each declines what it has no kernel for.
+        if kw.get("act_quant") is not None:
+            return None  # the native GEMMs are weight-only
         if primitive == "linear" and kw.get("weight_kind") not in fast_paths.QUANTIZED_LINEAR_KINDS and not (
                 kw.get("weight_kind") == "dense" and kw.get("dtype") == "bfloat16" and native.bf16_dot()):
             return None
@@ -82,14 +85,22 @@ class TorchBackend(TorchTensors):
     fused_mlp = staticmethod(fused.mlp)
 
     def prepare_weight(self, weight: WeightHandle) -> WeightHandle:
+        # Not the native kernels' re-layout: their GEMMs (and the fused layers that find it) are weight-only.
+        if getattr(weight, "act_quant", None) is not None:
+            return act_quant.prepare_weight(weight)
         return quant_linear.prepare_any(weight)
+
+    @staticmethod
+    def linear(x, weight):
+        if getattr(weight, "act_quant", None) is not None:
+            return act_quant.linear(x, weight)
+        return quant_linear.linear_any(x, weight)
 
     # -- primitives -------------------------------------------------------------
     embedding = staticmethod(quant_linear.embedding_any)
     rms_norm = staticmethod(ops.rms_norm)
     rotary = staticmethod(ops.rotary)
     act_and_mul = staticmethod(ops.act_and_mul)
-    linear = staticmethod(quant_linear.linear_any)
     kv_write = staticmethod(kv_write)
     attention = staticmethod(attention)
     mla_kv_write = staticmethod(mla_kv_write)
