@@ -2,14 +2,22 @@
 
     python benchmarks/serving_race.py --llama-cpp-python /path/to/venv/bin/python \\
         --concurrency 1 8 16 32 --json race.json --png race.png
+    python benchmarks/serving_race.py --llama-cpp-python /path/to/venv/bin/python \\
+        --gguf q4km.gguf q6k.gguf --concurrency 32 --rounds 3
 
 For each concurrency, each server is started fresh (its own process, the
 default flags: `infer serve --model GGUF`; `python -m llama_cpp.server` with
 --n_threads/--n_threads_batch at the torch thread count), driven by
 `serving.py` with the same text prompts (random token ids of the GGUF's
-tokenizer, decoded), then stopped; the two servers alternate which goes first.
-Reported per concurrency: output tok/s, TTFT and ITL p50/p99, and infer's
-output tok/s as a multiple of llama.cpp's. llama-cpp-python lives in its own
+tokenizer, decoded), then stopped; the two servers alternate which goes first. With several files
+and ``--rounds N``, every (file, concurrency) pair runs once per round, rounds
+one after another, so a busy spell of the shared machine hits both servers of
+a round alike. Reported per file and concurrency: output tok/s, TTFT and ITL
+p50/p99 (medians over rounds), infer's output tok/s as a multiple of
+llama.cpp's (the median of the rounds' ratios, and each round's), and the load
+average before each run. llama-cpp-python's server runs one request at a time
+(the rest queue behind its lock), so its output tok/s is its single-stream
+decode at any concurrency. llama-cpp-python lives in its own
 environment (it builds llama.cpp from source): pass its interpreter.
 """
 
@@ -20,6 +28,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -74,6 +83,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def one_run(kind: str, concurrency: int, args: argparse.Namespace, log) -> dict:
     proc, url = start(kind, args, log)
+    load = os.getloadavg()[0]
     try:
         wl = argparse.Namespace(**vars(args))
         wl.max_concurrency = concurrency
@@ -86,7 +96,15 @@ def one_run(kind: str, concurrency: int, args: argparse.Namespace, log) -> dict:
     summary = serving.summarize(results, duration)
     summary["errors"] = sorted({r.error for r in results if not r.ok})[:3]
     summary["num_prompts"] = wl.num_prompts
+    summary["loadavg_before"], summary["loadavg_after"] = load, os.getloadavg()[0]
     return summary
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The median of each figure over rounds (failed counts summed)."""
+    out = {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, float)}
+    out["failed"] = sum(r["failed"] for r in runs)
+    return out
 
 
 COLUMNS = (("output tok/s", "output_throughput", "{:.1f}"), ("TTFT p50", "median_ttft_ms", "{:.0f}"),
@@ -94,15 +112,19 @@ COLUMNS = (("output tok/s", "output_throughput", "{:.1f}"), ("TTFT p50", "median
            ("ITL p99", "p99_itl_ms", "{:.1f}"))
 
 
-def table(rows: dict) -> str:
-    head = f"{'conc':>4}  {'server':10}" + "".join(f"{c[0]:>14}" for c in COLUMNS) + f"{'infer / llama.cpp':>20}"
+def table(rows: dict, rounds: dict) -> str:
+    head = f"{'conc':>4}  {'server':10}" + "".join(f"{c[0]:>14}" for c in COLUMNS) + f"{'infer / llama.cpp':>20}  rounds (load avg)"
     out = [head, "-" * len(head)]
     for c, pair in rows.items():
+        ratios = [r["infer"]["output_throughput"] / max(r["llama.cpp"]["output_throughput"], 1e-9) for r in rounds[c]]
         for kind in ("infer", "llama.cpp"):
             s = pair[kind]
             cells = "".join(f"{fmt.format(s[key]):>14}" for _, key, fmt in COLUMNS)
-            ratio = pair["infer"]["output_throughput"] / max(pair["llama.cpp"]["output_throughput"], 1e-9)
-            out.append(f"{c:>4}  {kind:10}{cells}{f'{ratio:.2f}x' if kind == 'infer' else '':>20}")
+            each = "  ".join(f"{r[kind]['output_throughput']:.1f} ({r[kind]['loadavg_before']:.2f})" for r in rounds[c])
+            ratio = f"{statistics.median(ratios):.2f}x" if kind == "infer" else ""
+            out.append(f"{c:>4}  {kind:10}{cells}{ratio:>20}  {each}")
+        if len(ratios) > 1:
+            out.append(f"{'':>4}  {'':10}{'':>{14 * len(COLUMNS)}}{'':>20}  ratios " + "  ".join(f"{x:.2f}x" for x in ratios))
     return "\n".join(out)
 
 
@@ -139,9 +161,10 @@ def plot(rows: dict, path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gguf", default="smollm2", help="GGUF file or infer alias both servers load")
+    p.add_argument("--gguf", nargs="+", default=["smollm2"], help="GGUF files or infer aliases both servers load")
     p.add_argument("--llama-cpp-python", required=True, help="interpreter of an environment with llama-cpp-python[server]")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32])
+    p.add_argument("--rounds", type=int, default=1, help="times each (file, concurrency) pair runs, interleaved")
     p.add_argument("--prompts-per-slot", type=int, default=2, help="prompts per unit of concurrency")
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's thread count)")
@@ -150,34 +173,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default="serving_race.log", help="both servers' output")
     serving.add_workload_args(p)
     args = p.parse_args(argv)
-    if args.gguf and not args.gguf.endswith(".gguf"):
-        from infer.core.loader import resolve_model_path
+    from infer.core.loader import resolve_model_path
 
-        args.gguf = str(resolve_model_path(args.gguf)[0])
+    ggufs = [g if g.endswith(".gguf") else str(resolve_model_path(g)[0]) for g in args.gguf]
     if args.threads is None:
         import torch
 
         args.threads = torch.get_num_threads()
-    args.tokenizer = args.gguf
-    rows: dict = {}
+    runs: dict = {g: {c: [] for c in args.concurrency} for g in ggufs}
     with open(args.log, "w") as log:
-        for i, c in enumerate(args.concurrency):
-            order = ("infer", "llama.cpp") if i % 2 == 0 else ("llama.cpp", "infer")
-            rows[c] = {}
-            for kind in order:
-                print(f"concurrency {c}: {kind} ...", file=sys.stderr, flush=True)
-                rows[c][kind] = one_run(kind, c, args, log)
-                if rows[c][kind]["failed"]:
-                    print(f"  {rows[c][kind]['failed']} failed: {rows[c][kind]['errors']}", file=sys.stderr)
-    print(table(rows))
+        for r in range(args.rounds):
+            for i, (g, c) in enumerate((g, c) for g in ggufs for c in args.concurrency):
+                args.gguf = args.tokenizer = g
+                order = ("infer", "llama.cpp") if (i + r) % 2 == 0 else ("llama.cpp", "infer")
+                pair = {}
+                for kind in order:
+                    print(f"round {r + 1}/{args.rounds} {Path(g).name} concurrency {c}: {kind} "
+                          f"(load average {os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
+                    pair[kind] = one_run(kind, c, args, log)
+                    if pair[kind]["failed"]:
+                        print(f"  {pair[kind]['failed']} failed: {pair[kind]['errors']}", file=sys.stderr)
+                runs[g][c].append(pair)
+    results = {}
+    for g in ggufs:
+        rows = {c: {k: median_row([pair[k] for pair in runs[g][c]]) for k in ("infer", "llama.cpp")}
+                for c in args.concurrency}
+        print(f"{Path(g).name}: {args.input_len} in / {args.output_len} out, {args.rounds} round(s), "
+              f"medians; llama.cpp {args.threads} threads")
+        print(table(rows, runs[g]))
+        results[g] = {"rows": rows, "rounds": runs[g]}
+        if args.png:
+            png = args.png if len(ggufs) == 1 else str(Path(args.png).with_suffix(f".{Path(g).stem}.png"))
+            plot(rows, png, f"{Path(g).name}: {args.input_len} in / {args.output_len} out, "
+                            f"{os.cpu_count()} CPUs, llama.cpp {args.threads} threads")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "png")}
     config["request_rate"] = str(args.request_rate)
+    config["gguf"] = ggufs
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "rows": rows}, indent=1))
-    if args.png:
-        plot(rows, args.png, f"{Path(args.gguf).name}: {args.input_len} in / {args.output_len} out, "
-                             f"{os.cpu_count()} CPUs, llama.cpp {args.threads} threads")
-    return 0 if all(r[k]["failed"] == 0 for r in rows.values() for k in r) else 1
+        Path(args.json).write_text(json.dumps({"config": config, "results": results}, indent=1))
+    return 0 if all(pair[k]["failed"] == 0 for g in runs.values() for c in g.values() for pair in c for k in pair) else 1
 
 
 if __name__ == "__main__":
