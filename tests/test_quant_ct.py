@@ -228,3 +228,50 @@ def test_fp8_block_checkpoint_is_refused(tmp_path):
     write_ct_checkpoint(tmp_path, "fp8_dynamic", edit_config=block)
     with pytest.raises(LoaderError, match="block"):
         load_model(tmp_path, load_weights=False, load_tokenizer=False)
+
+
+# -- the conformance cases of W8A8 catch what they exist to catch ------------------
+INT8_TOKEN_CASES = {"int8_token_one_token", "int8_token_t5_bias", "int8_token_t40", "int8_token_zero_row_t7_n40"}
+
+
+def _mutant(linear):
+    from infer.backends.cpu_ref import CpuRefBackend
+
+    return type("Mutant", (CpuRefBackend,), {"name": "mutant", "linear": staticmethod(linear)})
+
+
+def _ignores_act_quant(x, weight):
+    import dataclasses
+
+    from infer.backends.cpu_ref import quant
+
+    return quant.linear(x, dataclasses.replace(weight, act_quant=None) if hasattr(weight, "act_quant") else weight)
+
+
+def _rounds_half_away(x, weight):
+    from infer.backends.cpu_ref import quant
+    from infer.primitives.types import Int8GroupWeight, round_to_dtype
+
+    if not isinstance(weight, Int8GroupWeight) or weight.act_quant is None:
+        return quant.linear(x, weight)
+    x64 = np.asarray(x, np.float64)
+    amax = np.abs(x64).max(axis=1) if x64.shape[1] else np.zeros(x64.shape[0])
+    s = np.where(amax > 0, amax / 127, 1.0)[:, None]
+    v = x64 / s
+    xq = np.clip(np.sign(v) * np.floor(np.abs(v) + 0.5), -127, 127) * s
+    y = xq @ (weight.qweight.astype(np.float64) * weight.scales).T
+    return round_to_dtype(y if weight.bias is None else y + weight.bias, weight.dtype)
+
+
+@pytest.mark.parametrize("linear, dtypes", [
+    (_ignores_act_quant, ("fp32", "fp16")),  # bf16's tolerance is wider than some cases' difference
+    # 16-bit inputs put x / s on half steps: ties decide codes there; float32's are never ties.
+    (_rounds_half_away, ("fp16",)),
+])
+def test_conformance_cases_catch_a_wrong_act_quant(linear, dtypes):
+    from infer.testing import run_conformance
+
+    report = run_conformance(_mutant(linear)(), primitives=["linear"])
+    failed = {r.case.id for r in report.results if r.status == "fail"}
+    must = {f"linear-{c}-{d}" for c in INT8_TOKEN_CASES for d in dtypes}
+    assert must <= failed and all("int8_token" in c for c in failed), sorted(failed)

@@ -184,6 +184,11 @@ _QUANT_LINEAR_SPECS = [
     ("int8_g16_t40_bias", dict(t=40, k=96, n=32, quant="int8", group=16, bias=True)),
     ("int8_offset_g16_t3", dict(t=3, k=64, n=40, quant="int8_offset", group=16)),
     ("fp8_per_tensor", dict(t=5, k=64, n=48, quant="fp8_tensor", bias=True)),
+    # W8A8: int8 per-channel weights, x quantized per token (act_quant); an all-zero row's scale is 1.
+    *[(f"int8_token_{name}", dict(spec, quant="int8_token")) for name, spec in (
+        ("one_token", dict(t=1, k=64, n=48)), ("t5_bias", dict(t=5, k=64, n=48, bias=True)),
+        ("t40", dict(t=40, k=96, n=32)), ("empty_batch", dict(t=0, k=64, n=48)),
+        ("zero_row_t7_n40", dict(t=7, k=128, n=40, zero_row=True)))],
 ]
 
 

@@ -37,9 +37,25 @@ def rms_norm(rng, dtype, t, h, residual=False, scale=1.0):
     }
 
 
-def linear(rng, dtype, t, k, n, bias=False, quant=None, group=32):
+def _token_quantizable(rng, dtype, t, k, zero_row=False) -> np.ndarray:
+    """x for a weight that quantizes its input per token: each row a power of two d times values
+    in [-127, 127] with one of them at +-127, so its scale max|x| / 127 is d exactly and x / s is
+    exact in every dtype: the codes then depend on the rounding rule alone (ties included, which
+    bf16's half steps produce), never on how a backend divides."""
+    d = 2.0 ** rng.integers(-7, -4, (t, 1))
+    v = rng.uniform(-127, 127, (t, k))
+    if k:
+        v[np.arange(t), rng.integers(0, k, t)] = rng.choice([-127.0, 127.0], t)
+    x = round_to_dtype((v * d).astype(np.float32), dtype)
+    if zero_row and t:
+        x[t // 2] = 0.0  # scale 1 by definition, codes 0
+    return x
+
+
+def linear(rng, dtype, t, k, n, bias=False, quant=None, group=32, zero_row=False):
+    x = _token_quantizable(rng, dtype, t, k, zero_row) if quant == "int8_token" else _normal(rng, (t, k), dtype)
     return {
-        "x": _normal(rng, (t, k), dtype),
+        "x": x,
         "weight": None if quant else _normal(rng, (n, k), dtype, k**-0.5),
         "quant": host_fields(rng, n, k, quant, group) if quant else None,
         "bias": _normal(rng, (n,), dtype, 0.1) if bias else None,

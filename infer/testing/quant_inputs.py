@@ -15,7 +15,7 @@ import numpy as np
 from ..primitives.fp8 import e4m3_encode
 from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 
-QUANT_KINDS = ("int4", "int8", "int8_offset", "fp8", "fp8_tensor")
+QUANT_KINDS = ("int4", "int8", "int8_offset", "int8_token", "fp8", "fp8_tensor")
 
 
 def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int = 32) -> dict[str, Any]:
@@ -31,6 +31,10 @@ def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int
         scales = rng.uniform(0.5, 1.5, (n, k // group)) * k**-0.5 / 64
         return {"kind": quant, "qweight": rng.integers(-127, 128, (n, k), dtype=np.int8),
                 "scales": scales.astype(np.float32), "group_size": group}
+    if quant == "int8_token":  # W8A8: one scale per output channel, activations int8 per token
+        scales = rng.uniform(0.5, 1.5, (n, 1)) * k**-0.5 / 64
+        return {"kind": quant, "qweight": rng.integers(-127, 128, (n, k), dtype=np.int8),
+                "scales": scales.astype(np.float32), "group_size": k, "act_quant": "int8_token"}
     if quant == "int8_offset":  # GGUF Q5_1 / Q5_K's form: d * q + m with q in 0..31, m about -16 d
         scales = rng.uniform(0.5, 1.5, (n, k // group)) * k**-0.5 / 8
         offsets = -scales * rng.uniform(13.0, 18.0, (n, k // group))
@@ -52,6 +56,8 @@ def handle(fields: dict[str, Any], asarray, bias: Any, dtype: str) -> WeightHand
         return Int4GroupWeight(q, s, asarray(fields["offsets"]), fields["group_size"], bias, dtype)
     if kind == "int8":
         return Int8GroupWeight(q, s, fields["group_size"], bias, dtype)
+    if kind == "int8_token":
+        return Int8GroupWeight(q, s, fields["group_size"], bias, dtype, act_quant=fields["act_quant"])
     if kind == "int8_offset":
         return Int8GroupWeight(q, s, fields["group_size"], bias, dtype, offsets=asarray(fields["offsets"]))
     return Fp8Weight(q, s, bias, dtype)
