@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ...primitives.types import QUANTIZED_KINDS, Support
+from ...primitives.types import ACT_QUANTS, QUANTIZED_KINDS, Support
 from ...primitives.torch_tensors import TorchTensors
 from .launch import interpreting
 
@@ -35,6 +35,7 @@ class CudaBackend(TorchTensors):
     kv_cache_dtypes = ("auto", "fp8")
     dtypes = ("float32", "float16", "bfloat16")
     weight_kinds = QUANTIZED_KINDS
+    act_quants = ACT_QUANTS  # act_quant.py: per-token int8 codes, int8 tensor-core GEMM
     fallback = "torch"
 
     def default_device(self) -> str:
@@ -87,6 +88,10 @@ class CudaBackend(TorchTensors):
         return act_and_mul(x, kind)
 
     def linear(self, x, weight):
+        if getattr(weight, "act_quant", None) is not None:
+            from .act_quant import linear as act_quant_linear
+
+            return act_quant_linear(x, weight)
         from .quant_linear import linear
 
         return linear(x, weight)
