@@ -275,3 +275,52 @@ def test_conformance_cases_catch_a_wrong_act_quant(linear, dtypes):
     failed = {r.case.id for r in report.results if r.status == "fail"}
     must = {f"linear-{c}-{d}" for c in INT8_TOKEN_CASES for d in dtypes}
     assert must <= failed and all("int8_token" in c for c in failed), sorted(failed)
+
+
+# -- ascend: W8A8 through npu_dynamic_quant + npu_quant_matmul (their emulation) ------------
+def test_npu_w8a8_emulation_matches_the_contract():
+    from infer.primitives.act_quant import quantize_per_token
+    from infer.testing.npu_emulation import NpuOpError
+    from infer.testing.npu_emulation import w8a8_ops as W
+
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal((6, 96)).astype(np.float32)).to(torch.bfloat16)
+    x[2] = 0
+    q, s = W.npu_dynamic_quant(x)
+    want_q, want_s = quantize_per_token(x.float().numpy())
+    np.testing.assert_array_equal(q.numpy(), want_q)
+    np.testing.assert_allclose(s.numpy()[[0, 1, 3, 4, 5]], want_s[[0, 1, 3, 4, 5]], rtol=1e-7)
+    assert s[2] == 0  # the op's scale for an all-zero row; its codes are 0 either way
+    w = torch.from_numpy(rng.integers(-128, 128, (96, 40), dtype=np.int8))
+    scale = torch.rand(40) * 0.01
+    y = W.npu_quant_matmul(q, w, scale, pertoken_scale=s, output_dtype=torch.bfloat16)
+    exact = (q.numpy().astype(np.int64) @ w.numpy().astype(np.int64)) * s.numpy()[:, None] * scale.numpy()
+    np.testing.assert_allclose(y.float().numpy(), exact, rtol=8e-3, atol=1e-6)
+    with pytest.raises(NpuOpError, match="11264"):
+        W.npu_dynamic_quant(torch.zeros(2, 11265, dtype=torch.float16))
+    with pytest.raises(NpuOpError, match="float16/bfloat16"):
+        W.npu_dynamic_quant(torch.zeros(2, 8))
+    with pytest.raises(NpuOpError, match="pertoken_scale"):
+        W.npu_quant_matmul(q, w, scale, output_dtype=torch.float16)
+
+
+def test_ascend_w8a8_linear_calls_the_npu_pair_and_matches_cpu_ref(monkeypatch):
+    from infer.backends.cpu_ref import quant as ref
+    from infer.testing.npu_emulation import installed
+    from infer.testing.quant_inputs import handle, host_fields
+
+    rng = np.random.default_rng(4)
+    fields = host_fields(rng, 40, 128, "int8_token")
+    x = rng.standard_normal((9, 128)).astype(np.float32)
+    with installed() as mod:
+        from infer.backends.ascend import AscendBackend
+
+        calls = []
+        real = mod.npu_quant_matmul
+        monkeypatch.setattr(mod, "npu_quant_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+        backend = AscendBackend()
+        w = backend.prepare_weight(handle(fields, backend.asarray, None, "float16"))
+        got = backend.linear(backend.asarray(x, "float16"), w).float().numpy()
+    want = ref.linear(np.asarray(x.astype(np.float16), np.float32), handle(fields, np.asarray, None, "float16"))
+    assert calls
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...primitives.types import AttentionMetadata, Support
+from ...primitives.types import ACT_QUANTS, AttentionMetadata, Support
 from ...primitives.torch_tensors import TORCH_DTYPES, TorchTensors
 from . import attention as attn
-from . import layers, linear, lora, moe
+from . import layers, linear, lora, moe, w8a8
 from .availability import probe, tensor_device
 
 # Why attention goes to torch for a static property (the core asks once per layer).
@@ -42,6 +42,7 @@ class AscendBackend(TorchTensors):
     kv_cache_layout = "[2, num_blocks, block_size, num_kv_heads, head_dim] (K, V caches for npu_scatter_pa_kv_cache)"
     dtypes = ("float32", "float16", "bfloat16")
     weight_kinds = ("dense", "int4_group", "int8_group")  # weight-only quantized: npu_weight_quant_batchmatmul
+    act_quants = ACT_QUANTS  # W8A8: npu_dynamic_quant + npu_quant_matmul (w8a8.py)
     fallback = "torch"
 
     def __init__(self, device: str | None = None):
@@ -59,7 +60,8 @@ class AscendBackend(TorchTensors):
     def supports(self, primitive: str, **kw: Any) -> Support:
         base = super().supports(primitive, **kw)
         if base and primitive == "linear" and kw.get("weight_kind", "dense") != "dense" and kw.get("dtype") == "float32":
-            return Support(False, "npu_weight_quant_batchmatmul takes float16/bfloat16 activations only")
+            return Support(False, "npu_weight_quant_batchmatmul and npu_dynamic_quant take float16/bfloat16 "
+                                  "activations only")
         if base and primitive == "kv_write" and kw.get("dtype") == "float32":
             return Support(False, "npu_scatter_pa_kv_cache takes float16/bfloat16/int8 on Atlas A2/A3 "
                                   "(aclnnScatterPaKvCache), not float32")
@@ -97,6 +99,8 @@ class AscendBackend(TorchTensors):
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=self.placement)
 
     def prepare_weight(self, weight):
+        if getattr(weight, "act_quant", None) is not None:
+            return w8a8.prepare_weight(weight)
         return linear.prepare_weight(weight)
 
     def plan_attention(self, meta: AttentionMetadata) -> attn.AscendStepPlan:
@@ -118,7 +122,12 @@ class AscendBackend(TorchTensors):
     rms_norm = staticmethod(layers.rms_norm)
     rotary = staticmethod(layers.rotary)
     act_and_mul = staticmethod(layers.act_and_mul)
-    linear = staticmethod(linear.linear)
+    @staticmethod
+    def linear(x, weight):
+        if getattr(weight, "act_quant", None) is not None:
+            return w8a8.linear(x, weight)
+        return linear.linear(x, weight)
+
     kv_write = staticmethod(attn.kv_write)
     attention = staticmethod(attn.attention)
     moe = staticmethod(moe.moe)

@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from . import attention_ops, layer_ops, moe_ops, quant_ops
+from . import attention_ops, layer_ops, moe_ops, quant_ops, w8a8_ops
 from .checks import NpuOpError
 from .device import make_torch_npu_namespace
 
@@ -40,6 +40,8 @@ EMULATED_OPS = {
     "npu_grouped_matmul": moe_ops.npu_grouped_matmul,
     "npu_moe_token_unpermute": moe_ops.npu_moe_token_unpermute,
     "npu_weight_quant_batchmatmul": quant_ops.npu_weight_quant_batchmatmul,
+    "npu_dynamic_quant": w8a8_ops.npu_dynamic_quant,
+    "npu_quant_matmul": w8a8_ops.npu_quant_matmul,
 }
 
 
