@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from ...primitives.dequant import dequantize
 from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 from .errors import LoaderError
+from .quant_hf import QuantizedView
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 # Every tensor a quantized module stores besides what the graph asks for (``X.weight``).
@@ -172,7 +172,7 @@ def int_handle(q_unsigned: np.ndarray | None, q_signed: np.ndarray | None, scale
                            act_quant=scheme.act_quant)
 
 
-class CompressedTensorsHF:
+class CompressedTensorsHF(QuantizedView):
     """A view of a compressed-tensors checkpoint whose quantized modules read as one ``.weight`` each."""
 
     def __init__(self, ckpt: Any, qconfig: dict[str, Any]):
@@ -197,30 +197,20 @@ class CompressedTensorsHF:
             if f"{module}.weight_g_idx" in stored:
                 raise _refuse(path, module, "act-order groups (weight_g_idx)")
             self.schemes[module] = best[1]
+        self._quantized = self.schemes
         parts = {f"{m}.{p}" for m in self.schemes for p in _PARTS}
         self.names = [n for n in ckpt.names if n not in parts and n.removesuffix(".weight") not in self.schemes]
         self.names += [f"{m}.weight" for m in self.schemes]
 
-    def __getattr__(self, attr: str) -> Any:  # format, path, config, tokenizer ...
-        return getattr(self._ckpt, attr)
-
-    def _module(self, name: str) -> str | None:
-        base = name.removesuffix(".weight")
-        return base if name.endswith(".weight") and base in self.schemes else None
-
-    def nbytes(self, name: str) -> int:
-        module = self._module(name)
-        if module is None:
-            return self._ckpt.nbytes(name)
-        return sum(self._ckpt.nbytes(f"{module}.{p}") for p in ("weight", *_PARTS)
-                   if f"{module}.{p}" in self._ckpt.names)
+    def _parts(self, base: str) -> tuple[str, ...]:
+        return ("weight", *_PARTS)
 
     def stored_type(self, name: str) -> str:
-        module = self._module(name)
+        module = self._base(name)
         return self.schemes[module].label if module is not None else self._ckpt.stored_type(name)
 
     def read_quantized(self, name: str) -> WeightHandle | None:
-        module = self._module(name)
+        module = self._base(name)
         if module is None:
             return None
         scheme = self.schemes[module]
@@ -246,18 +236,6 @@ class CompressedTensorsHF:
             return int_handle(q, None, scales, zero, scheme)
         zero = get("weight_zero_point") if not scheme.symmetric else None
         return int_handle(None, np.asarray(get("weight"), np.int8), scales, zero, scheme)
-
-    def read(self, name: str) -> np.ndarray:
-        handle = self.read_quantized(name)
-        return self._ckpt.read(name) if handle is None else dequantize(handle).astype(np.float32)
-
-    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
-        """A slice of a float tensor as stored; a quantized one is dequantized whole, then sliced."""
-        if self._module(name) is None:
-            from .moe_layout import slice_of
-
-            return slice_of(self._ckpt, name, axis, start, stop)
-        return np.ascontiguousarray(self.read(name)[(slice(None),) * axis + (slice(start, stop),)])
 
 
 def open_compressed_tensors(ckpt: Any, qconfig: dict[str, Any]) -> CompressedTensorsHF:

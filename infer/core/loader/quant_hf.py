@@ -78,7 +78,47 @@ def gptq_handle(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_i
     return _affine(q, z, scales, group)
 
 
-class QuantizedHF:
+class QuantizedView:
+    """A checkpoint whose quantized modules read as one ``.weight`` each (a handle from
+    `read_quantized`, or float32 from `read`); everything else reads as stored. A subclass
+    sets ``_ckpt``, ``_quantized`` (the module names) and `_parts` and reads the handles."""
+
+    _ckpt: Any
+    _quantized: Any  # a set or dict of module names
+
+    def _parts(self, base: str) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def read_quantized(self, name: str) -> WeightHandle | None:
+        raise NotImplementedError
+
+    def __getattr__(self, attr: str) -> Any:  # format, path, config, tokenizer ...
+        return getattr(self._ckpt, attr)
+
+    def _base(self, name: str) -> str | None:
+        base = name.removesuffix(".weight")
+        return base if name.endswith(".weight") and base in self._quantized else None
+
+    def nbytes(self, name: str) -> int:
+        base = self._base(name)
+        if base is None:
+            return self._ckpt.nbytes(name)
+        return sum(self._ckpt.nbytes(f"{base}.{p}") for p in self._parts(base) if f"{base}.{p}" in self._ckpt.names)
+
+    def read(self, name: str) -> np.ndarray:
+        handle = self.read_quantized(name)
+        return self._ckpt.read(name) if handle is None else dequantize(handle).astype(np.float32)
+
+    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
+        """A slice of a float tensor as stored; a quantized one is dequantized whole, then sliced."""
+        if self._base(name) is None:
+            from .moe_layout import slice_of
+
+            return slice_of(self._ckpt, name, axis, start, stop)
+        return np.ascontiguousarray(self.read(name)[(slice(None),) * axis + (slice(start, stop),)])
+
+
+class QuantizedHF(QuantizedView):
     """A view of an HF checkpoint whose quantized projections read as one ``.weight`` each."""
 
     def __init__(self, ckpt: Any, qconfig: dict[str, Any]):
@@ -92,18 +132,8 @@ class QuantizedHF:
         parts = {f"{base}.{p}" for base in self._quantized for p in _PARTS[self.method]}
         self.names = [n for n in ckpt.names if n not in parts] + [f"{b}.weight" for b in sorted(self._quantized)]
 
-    def __getattr__(self, attr: str) -> Any:  # format, path, config, tokenizer ...
-        return getattr(self._ckpt, attr)
-
-    def _base(self, name: str) -> str | None:
-        base = name.removesuffix(".weight")
-        return base if name.endswith(".weight") and base in self._quantized else None
-
-    def nbytes(self, name: str) -> int:
-        base = self._base(name)
-        if base is None:
-            return self._ckpt.nbytes(name)
-        return sum(self._ckpt.nbytes(f"{base}.{p}") for p in _PARTS[self.method] if f"{base}.{p}" in self._ckpt.names)
+    def _parts(self, base: str) -> tuple[str, ...]:
+        return _PARTS[self.method]
 
     def stored_type(self, name: str) -> str:
         return self.method if self._base(name) is not None else self._ckpt.stored_type(name)
@@ -121,17 +151,6 @@ class QuantizedHF:
         scales = np.asarray(get("weight_scale"), dtype=np.float32).reshape(-1)
         return Fp8Weight(np.asarray(get("weight")).view(np.uint8), scales)
 
-    def read(self, name: str) -> np.ndarray:
-        handle = self.read_quantized(name)
-        return self._ckpt.read(name) if handle is None else dequantize(handle).astype(np.float32)
-
-    def read_slice(self, name: str, axis: int, start: int, stop: int) -> np.ndarray:
-        """A slice of a float tensor as stored; a quantized one is dequantized whole, then sliced."""
-        if self._base(name) is None:
-            from .moe_layout import slice_of
-
-            return slice_of(self._ckpt, name, axis, start, stop)
-        return np.ascontiguousarray(self.read(name)[(slice(None),) * axis + (slice(start, stop),)])
 
 
 def with_quantization(ckpt: Any) -> Any:

@@ -731,12 +731,14 @@ int infer_int4_half_scales(void) { return INT4_VNNI; }
  * 2 cores went from ~4.3 to ~3.0 ms per pass with 4 (8-32 did no better). */
 #define INT4_PREFETCH_ROWS 4
 
-static inline void int4_store(const int4_job *j, int64_t t, int64_t r, float v) {
-    if (j->bf16_out)
-        ((uint16_t *)j->y)[t * j->n + r] = bf16_store(v);
-    else
-        ((float *)j->y)[t * j->n + r] = v;
-}
+/* y[t, n] = v for any GEMM job with y (float32, or bf16 where bf16_out) and n output columns */
+#define GEMM_STORE(j, t, r, v)                                                   \
+    do {                                                                         \
+        if ((j)->bf16_out)                                                       \
+            ((uint16_t *)(j)->y)[(t) * (j)->n + (r)] = bf16_store(v);           \
+        else                                                                     \
+            ((float *)(j)->y)[(t) * (j)->n + (r)] = (v);                         \
+    } while (0)
 
 #if INT4_VNNI
 static inline float hsum256(__m256 a) {
@@ -876,16 +878,16 @@ static inline __attribute__((always_inline)) void int4_rows4(const int4_job *j, 
     const float *xs = j->xsum + t * ng;
 #define INT4_OFFSETS(m) (HALF ? dot_f16_tail((const uint16_t *)j->o + (r + m) * ng, xs, ng) \
                               : dot_f32_tail((const float *)j->o + (r + m) * ng, xs, ng))
-    int4_store(j, t, r, hsum256(a0) + INT4_OFFSETS(0));
-    int4_store(j, t, r + 1, hsum256(a1) + INT4_OFFSETS(1));
-    int4_store(j, t, r + 2, hsum256(a2) + INT4_OFFSETS(2));
-    int4_store(j, t, r + 3, hsum256(a3) + INT4_OFFSETS(3));
+    GEMM_STORE(j, t, r, hsum256(a0) + INT4_OFFSETS(0));
+    GEMM_STORE(j, t, r + 1, hsum256(a1) + INT4_OFFSETS(1));
+    GEMM_STORE(j, t, r + 2, hsum256(a2) + INT4_OFFSETS(2));
+    GEMM_STORE(j, t, r + 3, hsum256(a3) + INT4_OFFSETS(3));
     if (PAIR) {
         xs += ng;
-        int4_store(j, t + 1, r, hsum256(b0) + INT4_OFFSETS(0));
-        int4_store(j, t + 1, r + 1, hsum256(b1) + INT4_OFFSETS(1));
-        int4_store(j, t + 1, r + 2, hsum256(b2) + INT4_OFFSETS(2));
-        int4_store(j, t + 1, r + 3, hsum256(b3) + INT4_OFFSETS(3));
+        GEMM_STORE(j, t + 1, r, hsum256(b0) + INT4_OFFSETS(0));
+        GEMM_STORE(j, t + 1, r + 1, hsum256(b1) + INT4_OFFSETS(1));
+        GEMM_STORE(j, t + 1, r + 2, hsum256(b2) + INT4_OFFSETS(2));
+        GEMM_STORE(j, t + 1, r + 3, hsum256(b3) + INT4_OFFSETS(3));
     }
 #undef INT4_OFFSETS
 }
@@ -1004,16 +1006,16 @@ static inline __attribute__((always_inline)) void int4_rows4_z(const int4_job *j
     const float *xs = j->xsum + t * ng;
 #define INT4_OFFSETS(m) (HALF ? dot_f16_tail((const uint16_t *)j->o + (r + m) * ng, xs, ng) \
                               : dot_f32_tail((const float *)j->o + (r + m) * ng, xs, ng))
-    int4_store(j, t, r, _mm512_reduce_add_ps(a0) + INT4_OFFSETS(0));
-    int4_store(j, t, r + 1, _mm512_reduce_add_ps(a1) + INT4_OFFSETS(1));
-    int4_store(j, t, r + 2, _mm512_reduce_add_ps(a2) + INT4_OFFSETS(2));
-    int4_store(j, t, r + 3, _mm512_reduce_add_ps(a3) + INT4_OFFSETS(3));
+    GEMM_STORE(j, t, r, _mm512_reduce_add_ps(a0) + INT4_OFFSETS(0));
+    GEMM_STORE(j, t, r + 1, _mm512_reduce_add_ps(a1) + INT4_OFFSETS(1));
+    GEMM_STORE(j, t, r + 2, _mm512_reduce_add_ps(a2) + INT4_OFFSETS(2));
+    GEMM_STORE(j, t, r + 3, _mm512_reduce_add_ps(a3) + INT4_OFFSETS(3));
     if (PAIR) {
         xs += ng;
-        int4_store(j, t + 1, r, _mm512_reduce_add_ps(b0) + INT4_OFFSETS(0));
-        int4_store(j, t + 1, r + 1, _mm512_reduce_add_ps(b1) + INT4_OFFSETS(1));
-        int4_store(j, t + 1, r + 2, _mm512_reduce_add_ps(b2) + INT4_OFFSETS(2));
-        int4_store(j, t + 1, r + 3, _mm512_reduce_add_ps(b3) + INT4_OFFSETS(3));
+        GEMM_STORE(j, t + 1, r, _mm512_reduce_add_ps(b0) + INT4_OFFSETS(0));
+        GEMM_STORE(j, t + 1, r + 1, _mm512_reduce_add_ps(b1) + INT4_OFFSETS(1));
+        GEMM_STORE(j, t + 1, r + 2, _mm512_reduce_add_ps(b2) + INT4_OFFSETS(2));
+        GEMM_STORE(j, t + 1, r + 3, _mm512_reduce_add_ps(b3) + INT4_OFFSETS(3));
     }
 #undef INT4_OFFSETS
 }
@@ -1073,7 +1075,7 @@ static void int4_task(const void *args, int64_t part, int64_t parts) {
                 for (int e = 0; e < 16; e++) sum += lanes[e];
                 total += sum * sr[g];
             }
-            int4_store(j, t, r, total + dot_f32((const float *)j->o + r * ng, j->xsum + t * ng, ng));
+            GEMM_STORE(j, t, r, total + dot_f32((const float *)j->o + r * ng, j->xsum + t * ng, ng));
         }
     }
 #endif
@@ -1391,13 +1393,6 @@ typedef struct {
     int64_t rows, k, group, n, nparts, bf16_out;
 } int8v_job;
 
-static inline void int8v_store(const int8v_job *j, int64_t t, int64_t r, float v) {
-    if (j->bf16_out)
-        ((uint16_t *)j->y)[t * j->n + r] = bf16_store(v);
-    else
-        ((float *)j->y)[t * j->n + r] = v;
-}
-
 #define INT8V_CODES(qr, at) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((qr) + (at))))
 /* Output rows r..r+3 for activation row t, NP (1 or 2) parts of x; G16: groups of 16. */
 static inline __attribute__((always_inline)) void int8v_rows4(const int8v_job *j, int64_t r, int64_t t, const int NP,
@@ -1451,10 +1446,10 @@ static inline __attribute__((always_inline)) void int8v_rows4(const int8v_job *j
     }
     const float *xs = j->xsum + t * ng;
 #define INT8V_OFFSETS(m) (j->o ? dot_f32_tail(j->o + (r + m) * ng, xs, ng) : 0.0f)
-    int8v_store(j, t, r, _mm512_reduce_add_ps(a0) + INT8V_OFFSETS(0));
-    int8v_store(j, t, r + 1, _mm512_reduce_add_ps(a1) + INT8V_OFFSETS(1));
-    int8v_store(j, t, r + 2, _mm512_reduce_add_ps(a2) + INT8V_OFFSETS(2));
-    int8v_store(j, t, r + 3, _mm512_reduce_add_ps(a3) + INT8V_OFFSETS(3));
+    GEMM_STORE(j, t, r, _mm512_reduce_add_ps(a0) + INT8V_OFFSETS(0));
+    GEMM_STORE(j, t, r + 1, _mm512_reduce_add_ps(a1) + INT8V_OFFSETS(1));
+    GEMM_STORE(j, t, r + 2, _mm512_reduce_add_ps(a2) + INT8V_OFFSETS(2));
+    GEMM_STORE(j, t, r + 3, _mm512_reduce_add_ps(a3) + INT8V_OFFSETS(3));
 #undef INT8V_OFFSETS
 }
 
@@ -1504,13 +1499,6 @@ typedef struct {
     void *y;
     int64_t rows, k, group, n, nparts, bf16_out, bits, half;
 } lowbit_job;
-
-static inline void lowbit_store(const lowbit_job *j, int64_t t, int64_t r, float v) {
-    if (j->bf16_out)
-        ((uint16_t *)j->y)[t * j->n + r] = bf16_store(v);
-    else
-        ((float *)j->y)[t * j->n + r] = v;
-}
 
 static inline __m512 lowbit_scale1(const void *p, int64_t i, const int HALF) {
     return _mm512_set1_ps(HALF ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i]);
@@ -1661,10 +1649,10 @@ static inline __attribute__((always_inline)) void lowbit_rows4(const lowbit_job 
 #define LOWBIT_OFFSETS(m)                                                                          \
     (!j->o ? 0.0f : HALF ? dot_f16_tail((const uint16_t *)j->o + (r + m) * ng, xs, ng)           \
                          : dot_f32_tail((const float *)j->o + (r + m) * ng, xs, ng))
-    lowbit_store(j, t, r, _mm512_reduce_add_ps(a0) + LOWBIT_OFFSETS(0));
-    lowbit_store(j, t, r + 1, _mm512_reduce_add_ps(a1) + LOWBIT_OFFSETS(1));
-    lowbit_store(j, t, r + 2, _mm512_reduce_add_ps(a2) + LOWBIT_OFFSETS(2));
-    lowbit_store(j, t, r + 3, _mm512_reduce_add_ps(a3) + LOWBIT_OFFSETS(3));
+    GEMM_STORE(j, t, r, _mm512_reduce_add_ps(a0) + LOWBIT_OFFSETS(0));
+    GEMM_STORE(j, t, r + 1, _mm512_reduce_add_ps(a1) + LOWBIT_OFFSETS(1));
+    GEMM_STORE(j, t, r + 2, _mm512_reduce_add_ps(a2) + LOWBIT_OFFSETS(2));
+    GEMM_STORE(j, t, r + 3, _mm512_reduce_add_ps(a3) + LOWBIT_OFFSETS(3));
 #undef LOWBIT_OFFSETS
 }
 #undef LOWBIT_CODES

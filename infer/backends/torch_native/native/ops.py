@@ -498,8 +498,8 @@ class Int8Native:
                 plane = b[..., 32 + 8 * p:40 + 8 * p]
                 u += ((plane[..., None] >> _BIT_INDEX) & 1).flatten(-2) << (4 + p)
             u = u - self.centre
-        if self.args[3] in _GROUP_ORDER:
-            u = u[..., torch.argsort(_GROUP_ORDER[self.args[3]])]
+        if self.args[3] in _GROUP_UNORDER:
+            u = u[..., _GROUP_UNORDER[self.args[3]]]
         return u.reshape(len(ids), k).to(torch.int8)
 
 
@@ -508,6 +508,7 @@ _BIT_INDEX = torch.arange(8, dtype=torch.int16)
 # both of its groups then 16-31 of both; groups of 16, codes 0-7 of its four, then 8-15.
 _GROUP_ORDER = {32: torch.arange(64).view(2, 2, 16).transpose(0, 1).reshape(-1),
                 16: torch.arange(64).view(4, 2, 8).transpose(0, 1).reshape(-1)}
+_GROUP_UNORDER = {g: torch.argsort(order) for g, order in _GROUP_ORDER.items()}
 
 
 def _pack_low_bits(q: torch.Tensor, group: int) -> tuple[torch.Tensor, int, int] | None:
