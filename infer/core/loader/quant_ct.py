@@ -40,7 +40,7 @@ import numpy as np
 
 from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
 from .errors import LoaderError
-from .quant_hf import QuantizedView
+from .quant_view import QuantizedView
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 # Every tensor a quantized module stores besides what the graph asks for (``X.weight``).
