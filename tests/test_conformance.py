@@ -100,6 +100,18 @@ class SinkPerKvHead(CpuRefBackend):
         return CpuRefBackend.attention(q, kv_cache, meta, scale, sliding_window, soft_cap, kv_scales, sinks)
 
 
+class Mxfp4HighNibbleFirst(CpuRefBackend):
+    """Reads an MXFP4 weight's bytes high nibble first (ggml's block layout is not the contract's)."""
+
+    name = "mutant"
+
+    def linear(self, x, weight):
+        if weight.kind == "mxfp4":
+            q = np.asarray(weight.qweight)
+            weight = replace(weight, qweight=((q >> 4) | (q << 4)).astype(np.uint8))
+        return CpuRefBackend.linear(x, weight)
+
+
 class UnclampedSwigluOai(CpuRefBackend):
     name = "mutant"
 
@@ -330,8 +342,10 @@ MUTANTS = [
                                  "sinks_one_token_d64"}),
     # sinks_one_token has one query head per KV head: nothing to confuse.
     (SinkPerKvHead, "attention", {"sinks_mixed_gqa3_d64", "sinks_window4_gqa8_d64", "sinks_decode_many_blocks_gqa8_d64"}),
-    (UnclampedSwigluOai, "moe", {"bias_swiglu_oai_top2_renorm", "swiglu_oai_one_token"}),
-    (NoDownBias, "moe", {"bias_swiglu_oai_top2_renorm", "bias_silu_top4_e16"}),
+    (UnclampedSwigluOai, "moe", {"bias_swiglu_oai_top2_renorm", "swiglu_oai_one_token",
+                                 "mxfp4_bias_swiglu_oai_top4_e16"}),
+    (Mxfp4HighNibbleFirst, "linear", {"mxfp4_one_token", "mxfp4_t5_bias", "mxfp4_t40"}),
+    (NoDownBias, "moe", {"bias_swiglu_oai_top2_renorm", "bias_silu_top4_e16", "mxfp4_bias_swiglu_oai_top4_e16"}),
     (IgnoresRoutingBias, "moe", {"v3_sigmoid_bias_groups_top4_e16", "v3_one_token_groups_top2"}),
     (ScalesSharedExpertToo, "moe", {"v3_sigmoid_bias_groups_top4_e16", "v2_greedy_scaled_shared"}),
     (IgnoresLatentRopeKey, "mla_attention", {"mixed_h4", "decode_many_blocks_h8", "padding_row", "mixed_block_sizes"}),

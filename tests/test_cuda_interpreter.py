@@ -63,7 +63,7 @@ def test_cuda_conforms_to_cpu_ref_in_the_interpreter(group):
     assert not bad, "\n".join(f"{cid}: {status}: {detail}" for cid, _, status, _, detail in bad)
     # The kernels, not the torch fallback, must be what passed (fp8 KV caches included).
     # Dense linear is torch's (cuBLAS) by declaration: only quantized weights must reach the kernel.
-    dense_linear = lambda cid: cid.startswith("linear-") and not any(q in cid for q in ("int4", "int8", "fp8"))  # noqa: E731
+    dense_linear = lambda cid: cid.startswith("linear-") and not any(q in cid for q in ("int4", "int8", "fp8", "mxfp4"))  # noqa: E731
     wrong = {r[0]: r[3] for r in results if r[1] in NATIVE and r[3] != "cuda" and not dense_linear(r[0])}
     if "linear" in GROUPS[group]:  # the quantized cases exist (and, by `wrong` above, the kernel served them all)
         assert sum(r[1] == "linear" and not dense_linear(r[0]) for r in results) >= 40

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..primitives.dequant import dequantize, unpack_int4
 from ..primitives.fp8 import quantize_per_channel
-from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from ..primitives.types import MXFP4_VALUES, Fp8Weight, Int4GroupWeight, Int8GroupWeight, Mxfp4Weight, WeightHandle
 
 # Per-row fields of the quantized handles (everything else is per tensor).
 _ROW_FIELDS = ("qweight", "scales", "offsets", "bias")
@@ -62,17 +62,35 @@ def concat_rows(parts: Sequence[Any], what: str = "a fused weight") -> WeightHan
             continue
         if any(v is None for v in values):
             raise ValueError(f"cannot fuse weights where only some have {f}")
-        changes[f] = np.concatenate([np.asarray(v) for v in values])
+        arrays = [np.asarray(v) for v in values]  # rows are the next-to-last axis (a stack of experts leads)
+        changes[f] = np.concatenate(arrays, axis=0 if arrays[0].ndim == 1 else -2)
     return dataclasses.replace(first, **changes)
+
+
+def shape_of(handle: WeightHandle) -> tuple[int, ...]:
+    """The matrix shape a handle stands for: [N, K], or [E, N, K] for a stack of experts."""
+    return (*handle.qweight.shape[:-2], handle.out_features, handle.in_features)
+
+
+def mxfp4_as_int8(w: Mxfp4Weight) -> Int8GroupWeight:
+    """The same matrix in int8 groups of 32 (exact): q = 2 * e2m1 in -12..12, scale = 2^(e - 128)."""
+    packed = np.asarray(w.qweight, np.uint8)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    q = (np.asarray(MXFP4_VALUES) * 2).astype(np.int8)[codes]
+    e = np.asarray(w.scales, np.int64)
+    scales = np.where(e == 255, np.nan, np.ldexp(1.0, e - 128)).astype(np.float32)
+    return Int8GroupWeight(q, scales, 32, w.bias, w.dtype)
 
 
 def _common_form(parts: Sequence[WeightHandle]) -> list[WeightHandle] | None:
     """The parts as handles of one kind and group standing for the same matrices, or None.
 
-    Integer group formats only: int4 q (0..15) is an int8 q with the same scales and offsets;
+    Integer group formats (and MXFP4, as the int8 groups it equals): int4 q (0..15) is an int8 q
+    with the same scales and offsets;
     a group of G is G / g groups of the smallest g with its scale (and offset) repeated; a
     part without offsets gets zero ones where another part has them. Costs bytes (an int4
     part in int8 doubles its codes), never exactness."""
+    parts = [mxfp4_as_int8(p) if isinstance(p, Mxfp4Weight) and np.ndim(p.qweight) == 2 else p for p in parts]
     if not all(isinstance(p, (Int4GroupWeight, Int8GroupWeight)) for p in parts):
         return None
     if any(getattr(p, "act_quant", None) is not None for p in parts):
@@ -99,7 +117,19 @@ def _common_form(parts: Sequence[WeightHandle]) -> list[WeightHandle] | None:
 
 def slice_handle(handle: WeightHandle, axis: int, start: int, stop: int) -> WeightHandle:
     """Rows (axis 0) or input columns (axis 1) [start, stop) of a quantized weight: a
-    tensor-parallel shard. Columns must fall on the format's group boundaries."""
+    tensor-parallel shard. Columns must fall on the format's group boundaries. An MXFP4
+    stack of experts [E, N, K] slices any of its axes (the last one by blocks of 32)."""
+    if isinstance(handle, Mxfp4Weight):
+        last = np.ndim(handle.qweight) - 1
+        if axis == last and (start % 32 or stop % 32):
+            raise ValueError(f"a tensor-parallel shard of input columns [{start}, {stop}) splits the 32-wide "
+                             "blocks of an mxfp4 weight; choose a tensor_parallel_size that divides the blocks")
+        cut = lambda a, per: np.asarray(a)[(slice(None),) * axis + (slice(start // per, stop // per),)]  # noqa: E731
+        changes = {"qweight": cut(handle.qweight, 2 if axis == last else 1),
+                   "scales": cut(handle.scales, 32 if axis == last else 1)}
+        if handle.bias is not None and axis == 0 and last == 1:
+            changes["bias"] = np.asarray(handle.bias)[start:stop]
+        return dataclasses.replace(handle, **changes)
     if axis == 0:
         changes = {f: np.asarray(getattr(handle, f))[start:stop] for f in ("qweight", "offsets", "bias")
                    if getattr(handle, f, None) is not None}
@@ -137,8 +167,8 @@ def pad_rows(handle: WeightHandle, rows: int) -> WeightHandle:
 
 def to_backend(handle: WeightHandle, backend: Any, dtype: str, shape: tuple[int, ...], what: str) -> WeightHandle:
     """`handle` with its arrays on `backend` (scales in float32) and compute dtype `dtype`."""
-    if (handle.out_features, handle.in_features) != tuple(shape):
-        raise ValueError(f"checkpoint tensor for {what} is a [{handle.out_features}, {handle.in_features}] "
+    if shape_of(handle) != tuple(shape):
+        raise ValueError(f"checkpoint tensor for {what} is a {list(shape_of(handle))} "
                          f"{handle.kind} weight, the config implies {list(shape)}")
     changes: dict[str, Any] = {"dtype": dtype}
     for f in _ROW_FIELDS:

@@ -70,6 +70,9 @@ class Backend(ABC):
     # Activation quantizations `linear` applies when a weight asks (`Int8GroupWeight.act_quant`,
     # `types.ACT_QUANTS`); a backend that lists none is never handed such a weight.
     act_quants: ClassVar[tuple[str, ...]] = ()
+    # Quantized kinds `moe` takes its expert weights w13/w2 in (`types.EXPERT_WEIGHT_KINDS`:
+    # 'mxfp4'), besides dense arrays; a backend that lists none is never handed them.
+    expert_weight_kinds: ClassVar[tuple[str, ...]] = ()
     # KV cache storage kv_write/attention handle: 'auto' (the model dtype) and
     # 'fp8' (e4m3 codes with per-tensor scales, see spec.kv_write).
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
@@ -111,7 +114,8 @@ class Backend(ABC):
         ``weight_kind`` (linear, embedding of a quantized table), ``act_quant`` (linear, only
         when its weight quantizes activations: 'int8_token'),
         ``kv_cache_dtype`` (kv_write, attention; only when not 'auto'), ``head_dim``, ``sliding_window`` (bool),
-        ``soft_cap`` (bool), ``shared_expert`` (bool, moe). Unknown keys must be ignored. The default
+        ``soft_cap`` (bool), ``shared_expert`` (bool, moe), ``expert_weight_kind`` (moe, only
+        for quantized expert weights: 'mxfp4'). Unknown keys must be ignored. The default
         answer: implemented methods support the declared dtypes and weight kinds.
         """
         if primitive not in PRIMITIVES:
@@ -124,6 +128,11 @@ class Backend(ABC):
         kind = kw.get("weight_kind")
         if kind is not None and kind not in self.weight_kinds:
             return Support(False, f"backend '{self.name}' supports weights {self.weight_kinds}, not {kind}")
+        expert_kind = kw.get("expert_weight_kind")
+        if expert_kind is not None and expert_kind not in self.expert_weight_kinds:
+            return Support(False, f"backend '{self.name}' takes moe expert weights dense"
+                                  f"{' or ' + ', '.join(self.expert_weight_kinds) if self.expert_weight_kinds else ''}, "
+                                  f"not {expert_kind}")
         act_quant = kw.get("act_quant")
         if act_quant is not None and act_quant not in self.act_quants:
             return Support(False, f"backend '{self.name}' quantizes activations as {self.act_quants or 'nothing'}, "

@@ -108,6 +108,8 @@ def dispatch_key(primitive: str, *, dtype: str, named: Mapping[str, Any] = {}, k
     elif primitive == "embedding" and isinstance(named.get("table"), WeightHandle):
         key["weight_kind"] = named["table"].kind  # a gathered row is not a linear's input: no act_quant
     elif primitive == "moe":
+        if isinstance(named.get("w13"), WeightHandle):
+            key["expert_weight_kind"] = named["w13"].kind
         if named.get("shared") is not None:
             key["shared_expert"] = True
         if named.get("w13_bias") is not None or named.get("w2_bias") is not None:

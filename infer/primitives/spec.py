@@ -83,6 +83,11 @@ moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None
     passes ``expert_bias=True`` and ``moe_activation='swiglu_oai'`` when a
     model uses them, and only a backend whose ``moe`` takes those arguments
     is asked.
+    Quantized experts: w13 and w2 may both be `Mxfp4Weight` handles with a
+    leading expert axis (qweight [E, 2I, H/2] and [E, H, I/2]); each expert means the matrix the handle stands for
+    (`dequant.dequantize`), every product as above. `Ops.resolve` passes
+    ``expert_weight_kind='mxfp4'``; a backend asked must list it in
+    `Backend.expert_weight_kinds`.
 
 lora(x, y, lora_a, lora_b, lora_indices, output_slices=None) -> [T, N]
     Batched LoRA on a linear's output (punica's shrink then expand). x [T, K]
@@ -112,7 +117,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .types import FLOAT_DTYPES, AttentionMetadata, SamplingTensors, WeightHandle, dtype_name
+from .types import EXPERT_WEIGHT_KINDS, FLOAT_DTYPES, AttentionMetadata, SamplingTensors, WeightHandle, dtype_name
 
 PRIMITIVES: tuple[str, ...] = (
     "embedding",
@@ -290,6 +295,20 @@ def check_mla_attention(q_nope, q_pe, kv_cache, meta, kv_b_proj, scale, v_head_d
         raise PrimitiveArgumentError("mla_attention", "kv_b_proj", f"must have {h} * ({n} + {v_head_dim}) rows, got {rows}")
 
 
+def _kind(w: Any) -> str:
+    return w.kind if isinstance(w, WeightHandle) else "a dense array"
+
+
+class _Stacked:
+    """The [E, N, K] shape of a stack of experts: a dense array's, or a quantized handle's."""
+
+    def __init__(self, w: Any):
+        if isinstance(w, WeightHandle):
+            self.shape = (*w.qweight.shape[:-2], w.out_features, w.in_features)
+        elif hasattr(w, "shape"):
+            self.shape = w.shape
+
+
 def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
               activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None,
               routing_bias=None, expert_groups=None) -> None:
@@ -298,13 +317,18 @@ def check_moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared
     tr, e = _check_rank("moe", "router_logits", router_logits, 2, "[T, E]")
     if tr != t:
         raise PrimitiveArgumentError("moe", "router_logits", f"must have {t} rows like x, got {tr}")
-    e13, two_i, h13 = _check_rank("moe", "w13", w13, 3, "[E, 2I, H]")
+    if isinstance(w13, WeightHandle) or isinstance(w2, WeightHandle):
+        if type(w13) is not type(w2) or w13.kind not in EXPERT_WEIGHT_KINDS:
+            raise PrimitiveArgumentError("moe", "w2", "w13 and w2 must both be dense arrays or both weights of one "
+                                         f"kind in {EXPERT_WEIGHT_KINDS}, got {_kind(w13)} and {_kind(w2)}")
+    e13, two_i, h13 = _check_rank("moe", "w13", _Stacked(w13), 3, "[E, 2I, H]")
     if e13 != e or h13 != h or two_i % 2:
-        raise PrimitiveArgumentError("moe", "w13", f"must be [{e}, 2I, {h}], got {_shape(w13)}")
-    _check_same_dtype("moe", "w13", w13, dt)
-    if _check_rank("moe", "w2", w2, 3, "[E, H, I]") != (e, h, two_i // 2):
-        raise PrimitiveArgumentError("moe", "w2", f"must be [{e}, {h}, {two_i // 2}], got {_shape(w2)}")
-    _check_same_dtype("moe", "w2", w2, dt)
+        raise PrimitiveArgumentError("moe", "w13", f"must be [{e}, 2I, {h}], got {_shape(_Stacked(w13))}")
+    if _check_rank("moe", "w2", _Stacked(w2), 3, "[E, H, I]") != (e, h, two_i // 2):
+        raise PrimitiveArgumentError("moe", "w2", f"must be [{e}, {h}, {two_i // 2}], got {_shape(_Stacked(w2))}")
+    if not isinstance(w13, WeightHandle):
+        _check_same_dtype("moe", "w13", w13, dt)
+        _check_same_dtype("moe", "w2", w2, dt)
     if not 1 <= top_k <= e:
         raise PrimitiveArgumentError("moe", "top_k", f"must be in [1, {e}], got {top_k}")
     if shared is not None:

@@ -400,7 +400,44 @@ class Fp8Weight(_QuantizedWeight):
     prepared: Any = field(default=None, repr=False)
 
 
-QUANTIZED_KINDS = (Int4GroupWeight.kind, Int8GroupWeight.kind, Fp8Weight.kind)
+@dataclass(slots=True)
+class Mxfp4Weight(_QuantizedWeight):
+    """OCP microscaling FP4 weight ``[..., N, K]`` (gpt-oss's experts, GGUF MXFP4):
+    ``w[n, k] = e2m1(q[n, k]) * 2 ** (scales[n, k // 32] - 127)``, blocks of 32 along K.
+
+      qweight  [..., N, K/2] uint8: E2M1 codes (sign bit 3, then 2 exponent bits and 1
+               mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives,
+               `MXFP4_VALUES`), q[n, 2j] in the low nibble of byte j, q[n, 2j+1] in the high.
+      scales   [..., N, K/32] uint8: E8M0 biased exponents (255 is NaN).
+
+    Leading axes stack matrices: `moe` takes ``w13`` [E, 2I, H] and ``w2`` [E, H, I] in
+    this form (``supports("moe", expert_weight_kind="mxfp4")``), 4.25 bits per value as
+    the checkpoints store them.
+    """
+
+    kind: ClassVar[str] = "mxfp4"
+    qweight: Any
+    scales: Any
+    bias: Any = None
+    dtype: str = "float32"
+    prepared: Any = field(default=None, repr=False)
+    group_size: ClassVar[int] = 32
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[-2])
+
+    @property
+    def in_features(self) -> int:  # two values per byte
+        return 2 * int(self.qweight.shape[-1])
+
+
+# The E2M1 value of each 4-bit code (OCP MX spec, table of FP4 E2M1).
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+QUANTIZED_KINDS = (Int4GroupWeight.kind, Int8GroupWeight.kind, Fp8Weight.kind, Mxfp4Weight.kind)
+# Kinds `moe` may take its expert weights in (besides dense arrays), `Backend.expert_weight_kinds`.
+EXPERT_WEIGHT_KINDS = (Mxfp4Weight.kind,)
 # Activation quantizations a weight may ask of `linear` (`Int8GroupWeight.act_quant`).
 ACT_QUANTS = ("int8_token",)
 

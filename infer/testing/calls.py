@@ -231,7 +231,12 @@ def call_mla_attention(h: Harness, x: dict) -> None:
 
 def call_moe(h: Harness, x: dict) -> None:
     xx = h.f(x["x"])
-    out, counts = h.call("moe", x=xx, router_logits=h.f(x["router_logits"]), w13=h.f(x["w13"]), w2=h.f(x["w2"]),
+    if x.get("w13_quant") is not None:  # quantized expert stacks (MXFP4)
+        w13 = quantized_handle(x["w13_quant"], h.i, None, h.dtype)
+        w2 = quantized_handle(x["w2_quant"], h.i, None, h.dtype)
+    else:
+        w13, w2 = h.f(x["w13"]), h.f(x["w2"])
+    out, counts = h.call("moe", x=xx, router_logits=h.f(x["router_logits"]), w13=w13, w2=w2,
                          top_k=x["top_k"], renormalize=x["renormalize"], shared=h.f(x["shared"]),
                          shared_gate=h.f(x["shared_gate"]), w13_bias=h.f(x.get("w13_bias")),
                          w2_bias=h.f(x.get("w2_bias")), activation=x.get("activation"),

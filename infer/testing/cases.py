@@ -184,6 +184,10 @@ _QUANT_LINEAR_SPECS = [
     ("int8_g16_t40_bias", dict(t=40, k=96, n=32, quant="int8", group=16, bias=True)),
     ("int8_offset_g16_t3", dict(t=3, k=64, n=40, quant="int8_offset", group=16)),
     ("fp8_per_tensor", dict(t=5, k=64, n=48, quant="fp8_tensor", bias=True)),
+    # MXFP4 (gpt-oss, GGUF MXFP4): E2M1 codes, a power of two per 32 (subnormal 2^-127 included).
+    *[(f"mxfp4_{name}", dict(spec, quant="mxfp4")) for name, spec in (
+        ("one_token", dict(t=1, k=64, n=48)), ("t5_bias", dict(t=5, k=128, n=40, bias=True)),
+        ("t40", dict(t=40, k=96, n=32)), ("empty_batch", dict(t=0, k=64, n=48)))],
     # W8A8: int8 per-channel weights, x quantized per token (act_quant); an all-zero row's scale is 1.
     *[(f"int8_token_{name}", dict(spec, quant="int8_token")) for name, spec in (
         ("one_token", dict(t=1, k=64, n=48)), ("t5_bias", dict(t=5, k=64, n=48, bias=True)),
@@ -241,6 +245,13 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("top4_e16", dict(top_k=4, e=16, renormalize=True)), ("top2_e4", dict(top_k=2, e=4, renormalize=False)),
         ("top1_e16_empty_experts", dict(t=3, top_k=1, e=16, renormalize=False)),
         ("top1_all_to_one_expert", dict(top_k=1, renormalize=True, hot_expert=5)),
+        # MXFP4 expert stacks (gpt-oss): plain, gpt-oss's biased clamped form, decode, all tokens to one expert.
+        ("mxfp4_top2_renorm", dict(top_k=2, renormalize=True, h=64, i=32, quant="mxfp4")),
+        ("mxfp4_bias_swiglu_oai_top4_e16", dict(top_k=4, e=16, renormalize=True, h=32, i=64, quant="mxfp4",
+                                                bias=True, activation="swiglu_oai", limit=0.75)),
+        ("mxfp4_one_token", dict(t=1, top_k=2, renormalize=True, h=32, i=32, quant="mxfp4")),
+        ("mxfp4_all_to_one_expert", dict(top_k=1, renormalize=True, h=32, i=32, quant="mxfp4", hot_expert=3)),
+        ("mxfp4_empty_batch", dict(t=0, top_k=2, renormalize=True, h=32, i=32, quant="mxfp4")),
         ("top2_all_to_one_expert_e4", dict(top_k=2, e=4, renormalize=True, hot_expert=0)),
         ("top4_one_token_e8", dict(t=1, top_k=4, renormalize=False)),
         ("shared_gated_top4", dict(top_k=4, renormalize=False, shared="gated")),

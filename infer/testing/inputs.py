@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..primitives.types import AttentionMetadata, SamplingTensors, round_to_dtype
-from .quant_inputs import host_fields
+from .quant_inputs import host_fields, mxfp4_fields
 
 
 def _normal(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
@@ -214,13 +214,14 @@ def mla_attention(rng, dtype, reqs, h, r=32, p=8, nope=16, v=12, block_size=16, 
 
 
 def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_expert=None, shared=None, bias=False,
-        activation=None, limit=7.0, w_scale=1.0, routing=None):
+        activation=None, limit=7.0, w_scale=1.0, routing=None, quant=None):
     """`hot_expert`: every token's top choice is that expert. `shared`:
     'gated' (Qwen2-MoE's sigmoid-gated shared expert) or 'plain'. `bias`:
     per-expert biases; `activation` 'swiglu_oai' with clamp `limit`
     (a low `limit`, or `w_scale` > 1, makes the clamp bite). `routing`: DeepSeek's
     (`scoring_func`, `expert_groups`, `routed_scaling_factor`, and with `bias` in it
-    a selection bias of that spread)."""
+    a selection bias of that spread). `quant` 'mxfp4': the expert stacks as MXFP4
+    (`w13_quant`, `w2_quant` fields; h and i multiples of 32)."""
     # Router logits spaced >= 0.25 apart so no dtype rounding creates a tie by
     # accident; `ties` then makes the lowest-id-first rule decide on purpose.
     logits = np.stack([rng.permutation(e) * 0.5 - 2.0 + rng.uniform(0, 0.1, e) for _ in range(t)]) if t else np.zeros((0, e))
@@ -232,8 +233,10 @@ def moe(rng, dtype, top_k, renormalize, t=12, h=32, i=16, e=8, ties=0, hot_exper
     return {
         "x": _normal(rng, (t, h), dtype),
         "router_logits": round_to_dtype(logits, dtype),
-        "w13": _normal(rng, (e, 2 * i, h), dtype, w_scale * h**-0.5),
-        "w2": _normal(rng, (e, h, i), dtype, i**-0.5),
+        "w13": None if quant else _normal(rng, (e, 2 * i, h), dtype, w_scale * h**-0.5),
+        "w2": None if quant else _normal(rng, (e, h, i), dtype, i**-0.5),
+        "w13_quant": mxfp4_fields(rng, (e, 2 * i), h) if quant == "mxfp4" else None,
+        "w2_quant": mxfp4_fields(rng, (e, h), i) if quant == "mxfp4" else None,
         "top_k": top_k,
         "renormalize": renormalize,
         "shared": _normal(rng, (t, h), dtype) if shared else None,

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..primitives.fp8 import e4m3_encode
-from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from ..primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, Mxfp4Weight, WeightHandle
 
-QUANT_KINDS = ("int4", "int8", "int8_offset", "int8_token", "fp8", "fp8_tensor")
+QUANT_KINDS = ("int4", "int8", "int8_offset", "int8_token", "fp8", "fp8_tensor", "mxfp4")
 
 
 def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int = 32) -> dict[str, Any]:
@@ -45,7 +45,19 @@ def host_fields(rng: np.random.Generator, n: int, k: int, quant: str, group: int
         count = 1 if quant == "fp8_tensor" else n
         scales = rng.uniform(0.5, 1.5, count) * k**-0.5 / 64
         return {"kind": quant, "qweight": codes, "scales": scales.astype(np.float32)}
+    if quant == "mxfp4":
+        return mxfp4_fields(rng, (n,), k)
     raise ValueError(f"unknown quantized format {quant!r}; expected one of {QUANT_KINDS}")
+
+
+def mxfp4_fields(rng: np.random.Generator, lead: tuple[int, ...], k: int) -> dict[str, Any]:
+    """An MXFP4 stack [*lead, k]: every code, exponents spread over 4 octaves around 2^-4 * k^-0.5
+    (E2M1 values reach 6), about one block in eight at 2^-127 (a float32 subnormal) or two octaves above."""
+    top = 127 - 4 - int(np.ceil(np.log2(k) / 2))
+    e = rng.integers(top - 3, top + 1, (*lead, k // 32))
+    e = np.where(rng.random(e.shape) < 1 / 16, 0, np.where(rng.random(e.shape) < 1 / 16, top + 2, e))
+    return {"kind": "mxfp4", "qweight": rng.integers(0, 256, (*lead, k // 2), dtype=np.uint8),
+            "scales": e.astype(np.uint8)}
 
 
 def handle(fields: dict[str, Any], asarray, bias: Any, dtype: str) -> WeightHandle:
@@ -60,4 +72,6 @@ def handle(fields: dict[str, Any], asarray, bias: Any, dtype: str) -> WeightHand
         return Int8GroupWeight(q, s, fields["group_size"], bias, dtype, act_quant=fields["act_quant"])
     if kind == "int8_offset":
         return Int8GroupWeight(q, s, fields["group_size"], bias, dtype, offsets=asarray(fields["offsets"]))
+    if kind == "mxfp4":
+        return Mxfp4Weight(q, s, bias, dtype)
     return Fp8Weight(q, s, bias, dtype)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...primitives.backend import Backend
 from ...primitives.fp8 import e4m3_decode
-from ...primitives.types import ACT_QUANTS, FLOAT_DTYPES, QUANTIZED_KINDS, round_to_dtype
+from ...primitives.types import ACT_QUANTS, EXPERT_WEIGHT_KINDS, FLOAT_DTYPES, QUANTIZED_KINDS, round_to_dtype
 from . import attention, moe, ops, quant, sampling
 
 
@@ -24,6 +24,7 @@ class CpuRefBackend(Backend):
     dtypes = FLOAT_DTYPES
     weight_kinds = ("dense", *QUANTIZED_KINDS)
     act_quants = ACT_QUANTS
+    expert_weight_kinds = EXPERT_WEIGHT_KINDS
     kv_cache_dtypes = ("auto", "fp8")
     native_block_sizes = True  # attention reads blocks of several pages itself (the oracle of the page tables)
     fallback = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...primitives.dequant import dequantize
+from ...primitives.types import WeightHandle
 from .ops import act
 
 
@@ -59,11 +61,16 @@ def expert(x, w13_e, w2_e, b13_e=None, b2_e=None, activation=None, alpha=None, l
     return y if b2_e is None else y + b2_e.astype(np.float64)
 
 
+def _expert(w, e: int) -> np.ndarray:
+    """Expert e's matrix of a stack: a dense array's slice, or what a quantized handle stands for."""
+    return dequantize(w, np.asarray([e]))[0] if isinstance(w, WeightHandle) else w[e]
+
+
 def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None, w13_bias=None, w2_bias=None,
         activation=None, swiglu_alpha=None, swiglu_limit=None, routed_scaling_factor=None, scoring_func=None,
         routing_bias=None, expert_groups=None):
     t, h = x.shape
-    n_experts = w13.shape[0]
+    n_experts = int(router_logits.shape[1])
     ids, weights = route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func, routing_bias,
                          expert_groups)
     x64 = x.astype(np.float64)
@@ -72,7 +79,7 @@ def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=
         tokens, slot = np.nonzero(ids == e)
         if tokens.size == 0:  # an expert no token chose computes nothing
             continue
-        ye = expert(x64[tokens], w13[e], w2[e], None if w13_bias is None else w13_bias[e],
+        ye = expert(x64[tokens], _expert(w13, e), _expert(w2, e), None if w13_bias is None else w13_bias[e],
                     None if w2_bias is None else w2_bias[e], activation, swiglu_alpha, swiglu_limit)
         np.add.at(out, tokens, weights[tokens, slot][:, None] * ye)
     if shared is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ...primitives.types import ACT_QUANTS, QUANTIZED_KINDS, Support
+from ...primitives.types import ACT_QUANTS, EXPERT_WEIGHT_KINDS, QUANTIZED_KINDS, Support
 from ...primitives.torch_tensors import TorchTensors
 from .launch import interpreting
 
@@ -36,6 +36,7 @@ class CudaBackend(TorchTensors):
     dtypes = ("float32", "float16", "bfloat16")
     weight_kinds = QUANTIZED_KINDS
     act_quants = ACT_QUANTS  # act_quant.py: per-token int8 codes, int8 tensor-core GEMM
+    expert_weight_kinds = EXPERT_WEIGHT_KINDS  # moe.py reads MXFP4 experts tile by tile
     fallback = "torch"
 
     def default_device(self) -> str:

@@ -12,6 +12,8 @@
    the down projection with the gate weight fused into its epilogue; expert
    biases (gpt-oss) are added in both epilogues. Each tile reads only its expert's
    weights and only the rows routed to it.
+   MXFP4 expert stacks (`Mxfp4Weight`, gpt-oss) are read as stored: each
+   K tile's codes and block exponents are turned into values in the tile.
 4. The top_k weighted rows of each token (and a shared expert's output, when
    the model has one) are summed in float32 and rounded once.
 """
@@ -22,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...primitives.types import Mxfp4Weight
 from .launch import compute_f32, dot_precision, next_pow2
+from .quant_linear import _e2m1, _e8m0
 
 
 @triton.jit
@@ -49,16 +53,32 @@ def _gating_kernel(ids_ptr, weights_ptr, logits_ptr, num_experts, stride_l,
 
 
 @triton.jit
-def _grouped_gemm_kernel(c_ptr, a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weight_ptr, bias_ptr,
+def _mxfp4_tile(q_ptr, s_ptr, expert, n, n_ok, k0, k_in, stride_we, stride_wn, stride_se, stride_sn,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows n, columns [k0, k0 + BLOCK_K) of expert's MXFP4 matrix, as float32 [BLOCK_K, BLOCK_N]."""
+    js = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(q_ptr + expert * stride_we + n[:, None] * stride_wn + js[None, :],
+                   mask=n_ok[:, None] & (js * 2 < k_in)[None, :], other=0).to(tl.int32)
+    v = _e2m1(tl.interleave(byte & 15, byte >> 4))
+    PER: tl.constexpr = BLOCK_K // 32
+    gs = k0 // 32 + tl.arange(0, PER)
+    e = tl.load(s_ptr + expert * stride_se + n[:, None] * stride_sn + gs[None, :],
+                mask=n_ok[:, None] & (gs * 32 < k_in)[None, :], other=127).to(tl.int32)
+    return tl.trans(tl.reshape(tl.reshape(v, (BLOCK_N, PER, 32)) * _e8m0(e)[:, :, None], (BLOCK_N, BLOCK_K)))
+
+
+@triton.jit
+def _grouped_gemm_kernel(c_ptr, a_ptr, w_ptr, s_ptr, sorted_pairs_ptr, block_expert_ptr, pair_weight_ptr, bias_ptr,
                          num_pairs, n_out, k_in, gate_offset, alpha, limit,
-                         stride_am, stride_we, stride_wn, stride_cm, stride_be,
+                         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, stride_be,
                          ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, OAI: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, OAI: tl.constexpr, MX: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          F32: tl.constexpr, PRECISION: tl.constexpr):
     """C[pair, n] = A[pair // ROW_DIV] @ W[e, n]^T (+ bias[e, n]) for the pairs of one M-tile;
     GATED: also the rows n + gate_offset of W (and of the bias), giving silu(first) * second, or
-    with OAI gpt-oss's (clamp(second, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(first, limit)."""
+    with OAI gpt-oss's (clamp(second, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(first, limit).
+    MX: W is MXFP4 (codes at w_ptr, E8M0 exponents at s_ptr), dequantized tile by tile."""
     m_tile = tl.program_id(0)
     expert = tl.load(block_expert_ptr + m_tile).to(tl.int64)
     if expert < 0:
@@ -76,13 +96,24 @@ def _grouped_gemm_kernel(c_ptr, a_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr
         k = k0 + kk
         k_ok = k < k_in
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if MX:
+            w = _mxfp4_tile(w_ptr, s_ptr, expert, n, n_ok, k0, k_in, stride_we, stride_wn, stride_se, stride_sn,
+                            BLOCK_N, BLOCK_K)
+            w = w if F32 else w.to(a.dtype)  # E2M1 times a power of two: exact in fp16/bf16 range
+        else:
+            w = tl.load(w_base + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if F32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if GATED:
-            w_up = tl.load(w_base + gate_offset * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if MX:
+                w_up = _mxfp4_tile(w_ptr, s_ptr, expert, n + gate_offset, n_ok, k0, k_in, stride_we, stride_wn,
+                                   stride_se, stride_sn, BLOCK_N, BLOCK_K)
+                w_up = w_up if F32 else w_up.to(a.dtype)
+            else:
+                w_up = tl.load(w_base + gate_offset * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                               other=0.0)
             if F32:
                 w_up = w_up.to(tl.float32)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
@@ -143,17 +174,22 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def _gemm(c, a, w, sorted_pairs, block_expert, pair_weight, num_pairs, n_out, row_div, gated, block_m,
           bias=None, oai=None):
-    """`oai`: (alpha, limit) of gpt-oss's clamped SwiGLU for a gated GEMM, else SiLU."""
+    """`oai`: (alpha, limit) of gpt-oss's clamped SwiGLU for a gated GEMM, else SiLU. `w`: a dense
+    [E, N, K] tensor or an `Mxfp4Weight` stack (its tiles hold whole blocks of 32: K tiles of 32 or 64)."""
+    mx = isinstance(w, Mxfp4Weight)
+    q, scales = (w.qweight.contiguous(), w.scales.contiguous()) if mx else (w, w)
+    k_in = w.in_features if mx else w.shape[-1]
     block_n = max(16, min(64, next_pow2(n_out)))
-    block_k = max(16, min(64, next_pow2(w.shape[-1])))
+    block_k = max(32 if mx else 16, min(64, next_pow2(k_in)))
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
     alpha, limit = oai or (0.0, 0.0)
     _grouped_gemm_kernel[grid](
-        c, a, w, sorted_pairs, block_expert, pair_weight, c if bias is None else bias, num_pairs, n_out, w.shape[-1],
+        c, a, q, scales, sorted_pairs, block_expert, pair_weight, c if bias is None else bias, num_pairs, n_out, k_in,
         n_out, float(alpha), float(limit),
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0), 0 if bias is None else bias.stride(0),
+        a.stride(0), q.stride(0), q.stride(1), scales.stride(0), scales.stride(1), c.stride(0),
+        0 if bias is None else bias.stride(0),
         ROW_DIV=row_div, GATED=gated, MUL_WEIGHT=pair_weight is not None, HAS_BIAS=bias is not None,
-        OAI=oai is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        OAI=oai is not None, MX=mx, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, F32=compute_f32(a.dtype), PRECISION=dot_precision(a.dtype), num_warps=4,
     )  # fmt: skip
 
@@ -165,13 +201,14 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
         scoring_func: str | None = None, routing_bias: torch.Tensor | None = None,
         expert_groups: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
+    num_experts = router_logits.shape[1]
+    inter = (w13.out_features if isinstance(w13, Mxfp4Weight) else w13.shape[1]) // 2
     if num_tokens == 0:
         return torch.zeros_like(x), torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    if not isinstance(w13, Mxfp4Weight):
+        w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+        w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     if any(a is not None for a in (routed_scaling_factor, scoring_func, routing_bias, expert_groups)):
         # DeepSeek's routing (sigmoid scores, a selection bias, expert groups): torch's, then the same kernels.
         from ..torch_native.moe import route as grouped_route

@@ -11,6 +11,9 @@ is read at its stored width.
   a row holds k's nibble (low for even k), ``w = q * scale + offset``.
 * int8 group (`Int8GroupWeight`: Q8_0, Q5_0, Q6_K, ...): ``w = q * scale``,
   ``+ offset`` where the handle has offsets (Q5_1, Q5_K).
+* mxfp4 (`Mxfp4Weight`: gpt-oss, GGUF MXFP4): nibbles as for int4, each an
+  E2M1 code turned into its float32 bits, times its block of 32's E8M0
+  power of two (also built from bits, exact), one per block per row.
 * fp8 (`Fp8Weight`): e4m3fn codes decoded exactly (`fp8.py`: the hardware
   conversion on sm_89+, three integer ops per code before), the tile fed to
   `tl.dot` unscaled; the one scale per row or per tensor multiplies the
@@ -31,12 +34,27 @@ import torch
 import triton
 import triton.language as tl
 
-from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from ...primitives.types import Fp8Weight, Int4GroupWeight, Int8GroupWeight, Mxfp4Weight, WeightHandle
 from . import tuned
 from .fp8 import e4m3_to_f16, fp8_rescale, native_fp8
 from .launch import compute_f32
 
-KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2}
+KINDS = {"int4_group": 0, "int8_group": 1, "fp8": 2, "mxfp4": 3}
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 codes (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) as float32, built from bits."""
+    e, m = (c >> 1) & 3, c & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000) | ((c >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(e):
+    """E8M0 exponents (int32 0..255) as float32 2^(e - 127), exact (2^-127 is a subnormal); 255 is NaN."""
+    bits = tl.where(e >= 1, e << 23, 0x400000)
+    return tl.where(e == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -97,6 +115,17 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, T, N, K, KQ
             q = tl.load(q_ptr + ns[:, None] * stride_qn + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
             w = _grouped(q.to(tl.float32), s_ptr, o_ptr, ns, n_ok, k0, K, stride_sn, GROUP, HAS_OFFSET, BLOCK_N,
                          BLOCK_K)
+        elif KIND == 3:
+            # MXFP4: nibbles as for int4, each code's E2M1 value times its block of 32's 2^(e - 127).
+            js = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(q_ptr + ns[:, None] * stride_qn + js[None, :], mask=n_ok[:, None] & (js < KQ)[None, :],
+                           other=0).to(tl.int32)
+            v = _e2m1(tl.interleave(byte & 15, byte >> 4))
+            PER: tl.constexpr = BLOCK_K // 32
+            gs = k0 // 32 + tl.arange(0, PER)
+            e = tl.load(s_ptr + ns[:, None] * stride_sn + gs[None, :], mask=n_ok[:, None] & (gs * 32 < K)[None, :],
+                        other=127).to(tl.int32)
+            w = tl.reshape(tl.reshape(v, (BLOCK_N, PER, 32)) * _e8m0(e)[:, :, None], (BLOCK_N, BLOCK_K))
         else:
             # The code's value (times 2^-8 without FP8_NATIVE), exact in any dtype: the
             # per-row scale multiplies the finished dot products below.
@@ -159,6 +188,8 @@ def linear(x: torch.Tensor, w: WeightHandle, config: tuple[int, int, int, int] |
     native = isinstance(w, Fp8Weight) and native_fp8(x.device)
     bias = w.bias if w.bias is not None else scales  # unread without HAS_BIAS
     block_t, block_n, block_k, warps = config or tiles(t, x.dtype, x.device)
+    if isinstance(w, Mxfp4Weight) and block_k % 32:
+        raise ValueError(f"cuda quantized linear: an MXFP4 K tile must hold whole blocks of 32, got {block_k}")
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
     # q.shape[1] (codes per row: k/2 for int4) is its own argument so the compiler knows
     # when it is a multiple of 16, which the int4 tail mask needs for 8- and 16-byte loads.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...primitives.backend import FastPath, Support
-from ...primitives.types import ACT_QUANTS, FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
+from ...primitives.types import ACT_QUANTS, EXPERT_WEIGHT_KINDS, FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
 from . import act_quant, collectives, fast_paths, fused, native, ops, quant_linear
 from .attention import LazyPlan, attention, kv_write, lazy_plan, mla_attention, mla_kv_write
 from .lora import lora
@@ -35,6 +35,7 @@ class TorchBackend(TorchTensors):
     preferred_block_size = 16
     dtypes = FLOAT_DTYPES
     weight_kinds = ("dense", *QUANTIZED_KINDS)
+    expert_weight_kinds = EXPERT_WEIGHT_KINDS
     act_quants = ACT_QUANTS  # act_quant.py
     kv_cache_dtypes = ("auto", "fp8")
     fallback = None

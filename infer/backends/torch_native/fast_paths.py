@@ -16,7 +16,7 @@ from . import fp8_kv
 from . import moe as torch_moe
 from .attention import LazyPlan
 from .native import ops as native
-from .quant_linear import Int4Prepared, native_int4_takes, offset_term
+from .quant_linear import Int4Prepared, native_int4_takes, offset_term, unwrap
 
 
 def _served(result):
@@ -55,6 +55,7 @@ def attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_s
 def linear(x, weight):
     """The int4 GEMM (up to its row limit), the Q8_0 GEMV and the bf16 dense GEMV; bias added
     after, as the torch paths do."""
+    weight = unwrap(weight)
     t, p = x.shape[0], weight.prepared
     if isinstance(weight, DenseWeight) and 0 < t <= native.BF16_GEMV_MAX_ROWS:
         y = native.bf16_gemv(x, weight.weight)
@@ -85,7 +86,8 @@ def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=
     """Steps of up to the bf16 GEMV's rows (decode): the whole primitive in one native call
     (routing included), else each chosen expert's
     two projections through the GEMV, routing, activation and combine as the torch moe's."""
-    if x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= native.BF16_GEMV_MAX_ROWS:
+    if x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= native.BF16_GEMV_MAX_ROWS \
+            or not isinstance(w13, torch.Tensor):  # quantized experts: the torch moe's
         return NotImplemented
     out = native.moe_bf16(x, router_logits, w13, w2, top_k, renormalize, shared, shared_gate, w13_bias, w2_bias,
                           activation, 1.702 if swiglu_alpha is None else swiglu_alpha,
@@ -101,4 +103,4 @@ def moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=
 NATIVE = {name: FastPath("native", fn) for name, fn in
           (("rms_norm", rms_norm), ("rotary", rotary), ("act_and_mul", act_and_mul), ("kv_write", kv_write),
            ("attention", attention), ("linear", linear), ("moe", moe))}
-QUANTIZED_LINEAR_KINDS = ("int4_group", "int8_group")
+QUANTIZED_LINEAR_KINDS = ("int4_group", "int8_group", "mxfp4")  # mxfp4: prepared as int8 groups

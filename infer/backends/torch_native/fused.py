@@ -21,11 +21,12 @@ from ...primitives.context import LayerContext
 from ...primitives.types import AttentionMetadata, DenseWeight, Int4GroupWeight, Int8GroupWeight
 from .attention import LazyPlan
 from .native import ops as native
-from .quant_linear import Int4Prepared, native_int4_takes
+from .quant_linear import Int4Prepared, native_int4_takes, unwrap
 
 
 def _gemv(handle, bias: bool = False):
     """The native GEMV's view of an int4, int8 or dense bf16 weight (without bias unless `bias`), or None."""
+    handle = None if handle is None else unwrap(handle)
     if handle is None or (handle.bias is not None and not bias):
         return None
     if isinstance(handle, Int4GroupWeight) and isinstance(handle.prepared, Int4Prepared):

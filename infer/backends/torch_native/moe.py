@@ -13,6 +13,10 @@ gathered once in that order. Two ways to run the experts over them:
   per-expert GEMMs lose to one big batched one, and on a busy CPU every
   parallel op can stall on a descheduled thread.
 
+MXFP4 expert stacks (`Mxfp4Weight`) run grouped, each routed expert's two
+matrices dequantized into x's dtype for that step only (the stack stays in
+its 4.25 bits a value).
+
 A step of at most a GEMV's rows in bfloat16 (decode) runs grouped with each
 projection through the native bf16 GEMV instead (`fast_paths.moe`): torch's
 bf16 GEMM streams a weight several times slower at a few rows.
@@ -28,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ...primitives.types import WeightHandle
+from . import mxfp4
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, routed_scaling_factor=None,
@@ -82,6 +89,43 @@ class ExpertForm:
 _SWIGLU = ExpertForm()
 
 
+class _DequantizedExperts:
+    """A quantized stack of experts (`Mxfp4Weight` [E, N, K]) read like a dense one: indexing
+    one expert dequantizes its matrix, in the activations' dtype, for that use only.
+
+    `linear` is the product with one expert: on CPU the expert as the int8 groups it equals,
+    packed for the native integer GEMM (its 25 codes in 5 bits, float32 scales: 0.8 bytes a
+    value) the first time it runs and kept in the handle's `prepared` list, over its rows in
+    chunks of the kernel's; without the kernel, dequantized."""
+
+    def __init__(self, w, dtype: torch.dtype):
+        self.w, self.dtype = w, dtype
+        self.shape = (*w.qweight.shape[:-2], w.out_features, w.in_features)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return mxfp4.dequantize(self.w.qweight[e], self.w.scales[e], self.dtype)
+
+    def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        from .native import ops as native
+
+        if x.shape[0] > 0 and x.device.type == "cpu":
+            if self.w.prepared is None:
+                self.w.prepared = [None] * self.shape[0]
+            p = self.w.prepared[e]
+            if p is None:
+                g = mxfp4.as_int8_groups(type(self.w)(self.w.qweight[e], self.w.scales[e]))
+                p = self.w.prepared[e] = native.int8_prepare(g.qweight, g.scales, None, 32) or False
+            if p is not False:
+                # More rows (prefill) in chunks of the kernel's rows: each chunk streams the
+                # packed expert again, still far faster than dequantizing it (measured: 64
+                # tokens of a gpt-oss-20b layer 2.5 s dequantized).
+                step = native.INT8_GEMM_MAX_ROWS
+                parts = [native.int8_gemm_prepared(x[i:i + step].contiguous(), p) for i in range(0, x.shape[0], step)]
+                if all(y is not None for y in parts):
+                    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return F.linear(x, self[e])
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gemv) -> torch.Tensor:
     """x @ w.T (+ b) through `gemv(x, w)` where it gives a result, else torch's; the bias added after."""
     y = None if gemv is None else gemv(x, w)
@@ -96,10 +140,17 @@ def _experts(x_sorted: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: t
     y = torch.empty(x_sorted.shape[0], w2.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)
     b13, b2 = form.w13_bias, form.w2_bias
     start = 0
+    quantized = isinstance(w13, _DequantizedExperts)
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = slice(start, start + n)
+        if quantized:
+            h = w13.linear(x_sorted[rows], e)
+            h = form.act(h if b13 is None else h + b13[e].to(h.dtype))
+            y[rows] = w2.linear(h, e) if b2 is None else w2.linear(h, e) + b2[e].to(h.dtype)
+            start += n
+            continue
         h = form.act(_linear(x_sorted[rows], w13[e], None if b13 is None else b13[e].to(x_sorted.dtype), gemv))
         if b2 is None and gemv is None:
             torch.mm(h, w2[e].t(), out=y[rows])
@@ -157,7 +208,10 @@ def routed_moe(gemv, x, router_logits, w13, w2, top_k, renormalize, shared=None,
     """`moe` with each expert's projections through `gemv(x, w)` (None: torch's GEMMs, and the
     padded form where it applies)."""
     num_tokens, hidden = x.shape
-    num_experts = w13.shape[0]
+    num_experts = router_logits.shape[1]
+    quantized = isinstance(w13, WeightHandle)
+    if quantized:  # MXFP4 experts: each routed one dequantized as it runs (grouped, never padded)
+        w13, w2 = _DequantizedExperts(w13, x.dtype), _DequantizedExperts(w2, x.dtype)
     ids, weights = route(router_logits, top_k, renormalize, routed_scaling_factor, scoring_func, routing_bias,
                          expert_groups)
     flat_ids = ids.flatten()
@@ -169,7 +223,7 @@ def routed_moe(gemv, x, router_logits, w13, w2, top_k, renormalize, shared=None,
     form = _SWIGLU
     if w13_bias is not None or w2_bias is not None or activation not in (None, "silu"):
         form = ExpertForm(w13_bias, w2_bias, activation, float(swiglu_alpha or 0.0), float(swiglu_limit or 0.0))
-    if gemv is None and min(counts) > 0 and max(counts) * num_experts <= 2 * len(flat_ids):
+    if gemv is None and not quantized and min(counts) > 0 and max(counts) * num_experts <= 2 * len(flat_ids):
         y_sorted = _experts_padded(x_sorted, flat_ids[order], tokens_per_expert, max(counts), w13, w2, form)
     else:
         y_sorted = _experts(x_sorted, counts, w13, w2, form, gemv)

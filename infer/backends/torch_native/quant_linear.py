@@ -53,9 +53,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...primitives.types import DenseWeight, Fp8Weight, Int4GroupWeight, Int8GroupWeight, WeightHandle
+from ...primitives.types import DenseWeight, Fp8Weight, Int4GroupWeight, Int8GroupWeight, Mxfp4Weight, WeightHandle
 from . import linear as dense
-from . import ops
+from . import mxfp4, ops
 from .native import ops as native
 
 # Half-precision rows up to which the packed kernels beat dequantize-in-tiles.
@@ -102,6 +102,12 @@ def prepare_weight(w: WeightHandle) -> WeightHandle:
     """Re-layout for the kernels above (CPU only; other devices dequantize in tiles)."""
     if w.prepared is not None or w.qweight.device.type != "cpu":
         return w
+    if isinstance(w, Mxfp4Weight):
+        # The same matrix in int8 groups (mxfp4.py), prepared for the native GEMVs, inside the
+        # handle (which keeps its kind: the dispatch key): its own arrays become shape-only.
+        inner = prepare_weight(mxfp4.as_int8_groups(w))
+        meta = {f: torch.empty_like(getattr(w, f), device="meta") for f in ("qweight", "scales")}
+        return dataclasses.replace(w, prepared=inner, **meta)
     dtype = _DTYPES[w.dtype]
     if isinstance(w, Int4GroupWeight):
         packed = None
@@ -155,6 +161,10 @@ def dequantize(w: WeightHandle, rows: slice | torch.Tensor = slice(None)) -> tor
         if offsets is not None:
             return torch.addcmul(offsets[..., None], q, scales[..., None]).view(q.shape[0], -1)
         return (q * scales[..., None]).view(q.shape[0], -1)
+    if isinstance(w, Mxfp4Weight):
+        if isinstance(w.prepared, Int8GroupWeight):
+            return dequantize(w.prepared, rows)
+        return mxfp4.dequantize(w.qweight[rows], w.scales[rows])
     if isinstance(w, Fp8Weight):
         q = w.qweight[rows].view(torch.float8_e4m3fn).to(torch.float32)
         s = w.scales if w.scales.numel() == 1 else w.scales[rows][:, None]
@@ -260,7 +270,7 @@ def native_int4_takes(x: torch.Tensor, *weights: WeightHandle) -> bool:
 def _linear_dense(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
     """Rows past the quantized kernels' limits: the kept dense copy if the budget allows, else tiles."""
     cdt = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    copy = DENSE_COPIES.get(w, cdt) if isinstance(w, (Int4GroupWeight, Int8GroupWeight, Fp8Weight)) else None
+    copy = DENSE_COPIES.get(w, cdt) if isinstance(w, (Int4GroupWeight, Int8GroupWeight, Fp8Weight, Mxfp4Weight)) else None
     if copy is None:
         return _linear_in_tiles(x, w)
     return dense.linear(x.to(cdt), copy).to(x.dtype)
@@ -286,7 +296,13 @@ def offset_term(x: torch.Tensor, w: Int8GroupWeight) -> torch.Tensor:
     return sums @ w.offsets.t()
 
 
+def unwrap(w: WeightHandle) -> WeightHandle:
+    """The handle the kernels read: a prepared MXFP4 weight's int8 groups, else `w`."""
+    return w.prepared if isinstance(w, Mxfp4Weight) and isinstance(w.prepared, Int8GroupWeight) else w
+
+
 def linear(x: torch.Tensor, w: WeightHandle) -> torch.Tensor:
+    w = unwrap(w)
     t, p = x.shape[0], w.prepared
     if t == 0:
         return x.new_zeros(0, w.out_features)

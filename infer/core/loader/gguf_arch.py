@@ -119,7 +119,7 @@ class Joined:
     join: Callable[[list[np.ndarray]], np.ndarray]
 
 
-def _stack_rows(parts: list[np.ndarray]) -> np.ndarray:
+def stack_rows(parts: list[np.ndarray]) -> np.ndarray:
     """Gate then up rows of every expert: [E, I, H] + [E, I, H] -> [E, 2I, H] (biases [E, I] alike)."""
     return np.concatenate(parts, axis=1)
 
@@ -139,7 +139,7 @@ def joined_tensors(arch: str, names: Collection[str]) -> dict[str, Joined]:
         if m is not None:
             up = f"blk.{m[1]}.ffn_up_exps.{m[2]}"
             target = "mlp.experts.gate_up_proj" + ("_bias" if m[2] == "bias" else "")
-            out[f"model.layers.{m[1]}.{target}"] = Joined((name, up), _stack_rows)
+            out[f"model.layers.{m[1]}.{target}"] = Joined((name, up), stack_rows)
         m = re.fullmatch(r"blk\.(\d+)\.attn_k_b\.weight", name)
         if m is not None:
             out[f"model.layers.{m[1]}.self_attn.kv_b_proj.weight"] = Joined((name, f"blk.{m[1]}.attn_v_b.weight"), _kv_b)

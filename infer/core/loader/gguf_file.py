@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import quant_gguf
+from . import gguf_arch, quant_gguf
 from .errors import CorruptCheckpointError, LoaderError, UnsupportedArchitectureError
 from .gguf_arch import (GEMMA, GGUF_ARCHITECTURES, PERMUTED_QK, deepseek2_config, gemma_config, gpt_oss_config,
                         hf_name, joined_tensors, routed_config, unpermute_rows)
@@ -332,9 +332,19 @@ class GGUFCheckpoint:
         """One weight as a quantized handle (a type of `quant_gguf.KEPT_TYPES`, repacked
         exactly; q/k rows unpermuted), or None for a tensor of another type: `read` it."""
         t = self._by_hf_name.get(name)
-        if t is None:  # stored in parts
-            return None
+        if t is None:  # stored in parts: MXFP4 gate and up experts join as one stack, others are read
+            joined = self._joined.get(name)
+            parts = [self._gguf_tensors[p] for p in joined.parts] if joined is not None else []
+            if joined is None or joined.join is not gguf_arch.stack_rows or any(
+                    p.tensor_type.name != "MXFP4" or len(p.shape) != 3 for p in parts):
+                return None
+            from ..quant_params import concat_rows
+
+            return concat_rows([quant_gguf.mxfp4_handle(p.data, tuple(int(d) for d in reversed(p.shape)))
+                                for p in parts], name)
         shape = tuple(int(d) for d in reversed(t.shape))
+        if len(shape) == 3 and t.tensor_type.name == "MXFP4":  # a stack of experts [E, N, K]
+            return quant_gguf.mxfp4_handle(t.data, shape)
         if len(shape) != 2:
             return None
         handle = quant_gguf.to_handle(t.data, t.tensor_type.name, *shape)

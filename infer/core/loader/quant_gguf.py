@@ -1,8 +1,9 @@
 """GGUF block-quantized tensors as weight handles, kept quantized.
 
-Every type below is repacked exactly into a handle the contract already has
+Every type below is repacked exactly into a handle of the contract
 (`Int4GroupWeight`: ``q * scale + offset`` with q in 0..15; `Int8GroupWeight`:
-``q * scale (+ offset)`` with int8 q): a block's sub-block scales (and mins)
+``q * scale (+ offset)`` with int8 q; MXFP4 into `Mxfp4Weight`, its nibbles
+reordered, also as a stack of experts [E, N, K]): a block's sub-block scales (and mins)
 are products of the block's fp16 ``d`` (``dmin``) and small integers, exact in
 float32, so a handle stands for exactly the matrix gguf-py's `dequantize`
 gives. Layouts: ggml-common.h, gguf-py's quants.py.
@@ -20,7 +21,7 @@ gives. Layouts: ggml-common.h, gguf-py's quants.py.
 | Q6_K ``d * sc * (q - 32)`` | 256 | int8, G 16 | 10 bits |
 | IQ4_NL ``d * kvalues[q]`` | 32 | int8, G 32 | 9 bits |
 | IQ4_XS ``d * (ls - 32) * kvalues[q]`` | 256 | int8, G 32 | 9 bits |
-| MXFP4 ``e8m0 * e2m1(q)`` | 32 | int8 (doubled E2M1 codes), G 32 | 9 bits |
+| MXFP4 ``e8m0 * e2m1(q)`` | 32 | mxfp4 (the codes and exponents as stored) | 4.25 bits |
 
 The other I-quants (lattice codebooks: IQ1/IQ2/IQ3) and ternary TQ types have
 no exact affine form: `to_handle` returns None and the loader dequantizes them.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...primitives.types import Int4GroupWeight, Int8GroupWeight, WeightHandle
+from ...primitives.types import Int4GroupWeight, Int8GroupWeight, Mxfp4Weight, WeightHandle
 
 # Block sizes and byte sizes per block, by ggml type name (gguf's GGML_QUANT_SIZES, by name).
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
@@ -128,8 +129,23 @@ def decode(data: np.ndarray, type_name: str, rows: int, cols: int):
     raise AssertionError(t)
 
 
+def mxfp4_handle(data: np.ndarray, shape: tuple[int, ...]) -> Mxfp4Weight:
+    """A raw ggml MXFP4 tensor [..., rows, cols] as `Mxfp4Weight`: ggml's block is the E8M0
+    byte, then 16 bytes whose low nibbles are values 0..15 and high nibbles 16..31; the
+    handle's byte j holds values 2j (low) and 2j + 1 (high)."""
+    *lead, cols = shape
+    if cols % 32:
+        raise ValueError(f"ggml MXFP4 rows must hold whole blocks of 32, got {cols} columns")
+    b = np.asarray(data, dtype=np.uint8).reshape(*lead, cols // 32, 17)
+    codes = _unpack(b[..., 1:], 16, 4)  # [..., blocks, 32] in value order
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Mxfp4Weight(np.ascontiguousarray(packed.reshape(*lead, cols // 2)), np.ascontiguousarray(b[..., 0]))
+
+
 def to_handle(data: np.ndarray, type_name: str, rows: int, cols: int) -> WeightHandle | None:
     """The handle of a raw ggml tensor [rows, cols], or None for a type kept as float."""
+    if type_name == "MXFP4":
+        return mxfp4_handle(data, (rows, cols))
     decoded = decode(data, type_name, rows, cols)
     if decoded is None:
         return None

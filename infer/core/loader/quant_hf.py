@@ -124,9 +124,13 @@ def with_quantization(ckpt: Any) -> Any:
         from .quant_ct import open_compressed_tensors
 
         return open_compressed_tensors(ckpt, qconfig)
+    if method == "mxfp4":
+        from .quant_mxfp4 import Mxfp4HF
+
+        return Mxfp4HF(ckpt)
     if method not in _PARTS:
         raise LoaderError(f"{ckpt.path}: quant_method {method!r} is not supported (infer reads awq, gptq, fp8, "
-                          "compressed-tensors and GGUF)")
+                          "mxfp4, compressed-tensors and GGUF)")
     if method in ("awq", "gptq") and qconfig.get("bits", 4) != 4:
         raise LoaderError(f"{ckpt.path}: {method} with {qconfig.get('bits')} bits; infer reads 4-bit {method} only")
     if method == "awq" and str(qconfig.get("version", "gemm")).lower() != "gemm":
