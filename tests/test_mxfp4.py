@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.backends.torch_native import mxfp4 as torch_mxfp4
 from infer.core import quant_params
 from infer.primitives.dequant import dequantize
@@ -123,33 +123,16 @@ def gpt_oss_mxfp4(tmp_path_factory):
     return str(directory), model
 
 
-PROMPTS = [np.random.default_rng(3).integers(3, COMMON["vocab_size"], n).tolist() for n in (17, 5, 30)]
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu_ref"])
 def test_gpt_oss_with_mxfp4_experts_gives_transformers_tokens_kept_in_4_bits(gpt_oss_mxfp4, backend, leak_check):
+    from test_gguf_moe import _assert_matches
+
     path, model = gpt_oss_mxfp4
-    llm = LLM(path, backend=backend, dtype="float32", skip_tokenizer_init=True, max_model_len=128,
-              show_progress=False)
-    leak_check.append(llm.engine)
-    runner = llm.engine.worker.runner
-    experts = {n: t for n, t in runner.tensors.items() if n.endswith((".w13", ".w2"))}
+    _assert_matches(path, model, leak_check, backend=backend)  # tokens, and logprobs within 5e-5
+    experts = {n: t for n, t in leak_check[-1].worker.runner.tensors.items() if n.endswith((".w13", ".w2"))}
     # cpu_ref keeps no quantized weight for float32 activations (Backend.keeps_quantized): dense there
     kept = backend == "torch"
     assert experts and all(isinstance(t, Mxfp4Weight) == kept for t in experts.values())
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        tokens = list(out.outputs[0].token_ids)
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                                  pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
-            logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-        assert tokens == want
-        want_lp = torch.log_softmax(logits.double(), -1)[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
-        got = np.array([step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens)])
-        np.testing.assert_allclose(got, want_lp, atol=5e-5)
 
 
 def test_mxfp4_experts_load_dequantized_with_quantization_none(gpt_oss_mxfp4, leak_check):
