@@ -102,6 +102,13 @@ counts["after main"] = threads()
 seen = []
 t = threading.Thread(target=lambda: (run(), seen.append(threads())))
 t.start(); t.join()
+# join() returns before the kernel drops the exiting thread's task entry: give it a moment
+# (OpenMP workers the thread left behind would stay, and still fail the count)
+import time
+for _ in range(200):
+    if threads() <= counts["idle"]:
+        break
+    time.sleep(0.01)
 counts["in the thread, after"], counts["after the thread"] = seen[0], threads()
 print(json.dumps({"counts": counts, "torch threads": torch.get_num_threads()}))
 """
