@@ -58,7 +58,7 @@ def test_backends_lists_every_backend_with_its_declarations(capsys):
     for name in registry().backends:
         assert name in out
     assert "infer.backends.cpu_ref" in out  # the plugin column
-    assert "14 native" in out  # cpu_ref implements everything
+    assert "18 native" in out  # cpu_ref implements everything
     assert "[2, num_blocks, block_size, num_kv_heads, head_dim]" in out
     assert "torch CPU kernels" in out and ("built (" in out or "unavailable:" in out or "off (" in out)
     if "built (" in out:  # the torch row names the primitives its native kernels may serve first
@@ -72,7 +72,7 @@ def test_backends_explains_why_a_backend_is_unavailable(capsys):
         pytest.skip("an Ascend NPU is visible here")
     _, out, _ = run(capsys, "backends")
     assert "torch_npu" in out and "no:" in out
-    assert "8 native, 6 via torch (declared)" in out  # coverage read from the class, nothing instantiated
+    assert "8 native, 10 via torch (declared)" in out  # coverage read from the class, nothing instantiated
 
 
 def test_backends_lists_broken_plugins_and_plugin_models(monkeypatch, capsys):
@@ -82,7 +82,7 @@ def test_backends_lists_broken_plugins_and_plugin_models(monkeypatch, capsys):
     assert code == 0
     assert "plugins that failed to load" in out and "badchip" in out and "chip_sdk" in out
     assert "vendor SDK not found (install vendor-sdk)" in out
-    assert "1 native, 13 via torch" in out  # half_torch, resolved through Ops
+    assert "1 native, 17 via torch" in out  # half_torch, resolved through Ops
     assert "VendorForCausalLM" in out
     assert "primitive coverage" in out
 

@@ -329,7 +329,36 @@ class LoraReadsSlotZero(CpuRefBackend):
         return np.where((lora_indices == 0)[:, None], CpuRefBackend.lora(x, y, a, b, swapped, output_slices), out)
 
 
+class LayerNormWithoutBias(CpuRefBackend):
+    name = "mutant"
+
+    def layer_norm(self, x, weight, bias, eps, residual=None):
+        return CpuRefBackend.layer_norm(x, weight, None, eps, residual)
+
+
+class EncoderAttentionAcrossSequences(CpuRefBackend):
+    """Treats the flattened batch as one sequence: queries see other sequences' keys."""
+    name = "mutant"
+
+    def encoder_attention(self, q, k, v, query_start_loc, scale):
+        return CpuRefBackend.encoder_attention(q, k, v, np.array([0, q.shape[0]]), scale)
+
+
+class MeanPoolsTheBatch(CpuRefBackend):
+    """'mean' averages every row of the batch for each sequence."""
+    name = "mutant"
+
+    def pool(self, x, query_start_loc, method):
+        out = CpuRefBackend.pool(x, query_start_loc, method)
+        if method == "mean" and len(x):
+            out[:] = x.astype(np.float64).mean(axis=0)
+        return out
+
+
 MUTANTS = [
+    (LayerNormWithoutBias, "layer_norm", {"bias_h64", "residual_h64", "offset_h80", "one_token"}),
+    (EncoderAttentionAcrossSequences, "encoder_attention", {"three_seqs_gqa", "mha_d64", "sharp_many_seqs"}),
+    (MeanPoolsTheBatch, "pool", {"mean_three_seqs"}),
     (NoSlidingWindow, "attention", {"sliding_window8_gqa3_d64", "window_soft_cap_gqa8_d128",
                                     "mixed_block_sizes_window_gqa3_d64"}),
     (ReadsBlocksAsPages, "attention", {"mixed_block_sizes_gqa3_d64", "mixed_block_sizes_decode_gqa8_d128",

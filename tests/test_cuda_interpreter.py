@@ -29,8 +29,8 @@ GROUPS = {
     "lora": ["lora"],
     # The row-wise kernels, and the primitives `cuda` takes from `torch` by declaration.
     "rowwise_and_fallbacks": ["rms_norm", "rotary", "act_and_mul", "embedding", "linear", "sample", "all_reduce",
-                              "mla_kv_write", "mla_attention",
-                              "all_gather"],
+                              "mla_kv_write", "mla_attention", "layer_norm", "activation", "encoder_attention",
+                              "pool", "all_gather"],
 }
 
 _CONFORMANCE = """

@@ -14,6 +14,7 @@ from .quant_params import QUANTIZATIONS
 # Without an explicit size the KV pool holds max_num_seqs full contexts, capped
 # at 1 GiB, so small runs do not reserve gigabytes (--kv-cache-memory raises it).
 MAX_DEFAULT_KV_BYTES = 1 << 30
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass
@@ -21,6 +22,10 @@ class EngineArgs:
     """Engine settings with vLLM's names."""
 
     model: str = "smollm2"
+    # 'generate' (a language model's logits, sampled), 'pooling' (embeddings and scores:
+    # `core/pooling.py`), or 'auto': pooling for encoder, bare-backbone and classifier
+    # architectures, generate for the rest (vLLM's --runner).
+    runner: str = "auto"
     backend: str = "auto"
     dtype: str = "auto"
     device: str | None = None
@@ -118,6 +123,8 @@ class EngineArgs:
                                  f"{' (or auto)' if name == 'block_size' else ''}; got {value!r}")
         if self.cuda_graph_sizes is not None:
             graph_batch_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # raises on a bad size
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8'; got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -30,6 +30,12 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     # inputs: x, and a shared expert's output when it has one
     "moe": ("router", "router_bias", "w13", "w13_bias", "w2", "w2_bias", "shared_gate", "routing_bias"),
     "lm_head": ("weight",),
+    # Encoders and pooling heads (`models/bert.py`, `models/pooling.py`).
+    "layer_norm": ("weight", "bias"),  # residual-fused when it has two inputs
+    "encoder_attention": ("qkv_proj", "qkv_bias", "o_proj", "o_bias"),  # bidirectional, no KV cache
+    "ffn": ("up_proj", "up_bias", "down_proj", "down_bias"),  # ungated MLP: act(x @ up) @ down
+    "pool": (),  # one row per sequence (attrs["method"]): the output ``pooled`` [B, H]
+    "classifier": ("dense", "dense_bias", "out_proj", "out_bias"),  # [act(x @ dense)] @ out_proj
     # Elementwise steps between nodes (`lowering.ELEMENTWISE_OPS`): no parameters.
     "add": (),  # inputs a, b: a + b (OLMo 2's residual stream)
     "scale": (),  # x * attrs["factor"] (Gemma's embedding scale, Granite's multipliers)
@@ -90,8 +96,10 @@ class Node:
 
 @dataclass
 class Graph:
-    """Nodes in execution order. Inputs: ``input_ids`` [T], ``positions`` [T];
-    the output is ``logits`` [S, vocab] for the S rows that are sampled."""
+    """Nodes in execution order. Inputs: ``input_ids`` [T], ``positions`` [T]
+    (an encoder with token types: ``token_type_ids`` [T]); the output is
+    ``logits`` [S, vocab] for the S rows that are sampled, or for a pooling
+    model ``pooled`` [B, D], one row per sequence."""
 
     architecture: str
     config: Any  # the normalised ModelConfig of core/models

@@ -103,6 +103,68 @@ def lower(graph: Graph, fuses=lambda op, attrs: False) -> Program:
     return Program(graph, calls)
 
 
+def _layer_norm(g: Graph, n: Node) -> list[Call]:
+    shape = ("T", g.params[n.params["weight"]].shape[0])
+    return [Call("layer_norm", n.name, n.inputs, n.outputs, n.params, {"eps": n.attrs["eps"]},
+                 (shape,) * len(n.outputs), n.layer)]
+
+
+def _encoder_attention(g: Graph, n: Node) -> list[Call]:
+    """q, k, v from one projection, attention within each sequence (no cache), the output projection."""
+    a, p, name, L = n.attrs, n.params, n.name, n.layer
+    hq, hk, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    v = f"{name}."
+    calls = [
+        Call("linear", name, n.inputs[:1], (v + "qkv",), _pick(p, weight="qkv_proj", bias="qkv_bias"), {},
+             (("T", (hq + 2 * hk) * d),), L),
+        Call("split", name, (v + "qkv",), (v + "q", v + "k", v + "v"), {}, {"sizes": (hq * d, hk * d, hk * d)},
+             (("T", hq * d), ("T", hk * d), ("T", hk * d)), L),
+    ]
+    for t, heads in (("q", hq), ("k", hk), ("v", hk)):
+        calls.append(Call("reshape", name, (v + t,), (v + t + "3",), {}, {"shape": (-1, heads, d)}, (("T", heads, d),), L))
+    return calls + [
+        Call("encoder_attention", name, (v + "q3", v + "k3", v + "v3"), (v + "o3",), {}, {"scale": a["scale"]},
+             (("T", hq, d),), L),
+        Call("reshape", name, (v + "o3",), (v + "o",), {}, {"shape": (-1, hq * d)}, (("T", hq * d),), L),
+        Call("linear", name, (v + "o",), n.outputs, _pick(p, weight="o_proj", bias="o_bias"), {},
+             (("T", g.config.hidden_size),), L),
+    ]
+
+
+def _ffn(g: Graph, n: Node) -> list[Call]:
+    p, name, L = n.params, n.name, n.layer
+    inter = g.params[p["up_proj"]].shape[0]
+    return [
+        Call("linear", name, n.inputs, (name + ".up",), _pick(p, weight="up_proj", bias="up_bias"), {},
+             (("T", inter),), L),
+        Call("activation", name, (name + ".up",), (name + ".act",), {}, {"kind": n.attrs["act"]}, (("T", inter),), L),
+        Call("linear", name, (name + ".act",), n.outputs, _pick(p, weight="down_proj", bias="down_bias"), {},
+             (("T", g.config.hidden_size),), L),
+    ]
+
+
+def _pool(g: Graph, n: Node) -> list[Call]:
+    rows = "T" if n.attrs["method"] == "all" else "B"
+    return [Call("pool", n.name, n.inputs, n.outputs, {}, {"method": n.attrs["method"]},
+                 ((rows, g.config.hidden_size),), n.layer)]
+
+
+def _classifier(g: Graph, n: Node) -> list[Call]:
+    """A sequence classifier's head on pooled rows: an optional dense layer and activation, then the scores."""
+    p, name = n.params, n.name
+    x, calls = n.inputs[0], []
+    if "dense" in p:
+        width = g.params[p["dense"]].shape[0]
+        calls += [Call("linear", name, (x,), (name + ".dense",), _pick(p, weight="dense", bias="dense_bias"), {},
+                       (("B", width),), n.layer),
+                  Call("activation", name, (name + ".dense",), (name + ".act",), {}, {"kind": n.attrs["act"]},
+                       (("B", width),), n.layer)]
+        x = name + ".act"
+    labels = g.params[p["out_proj"]].shape[0]
+    return calls + [Call("linear", name, (x,), n.outputs, _pick(p, weight="out_proj", bias="out_bias"), {},
+                         (("B", labels),), n.layer)]
+
+
 def _node_output_shape(graph: Graph, node: Node) -> tuple:
     cfg = graph.config
     return ("S", cfg.vocab_size) if node.op == "lm_head" else ("T", cfg.hidden_size)
@@ -315,4 +377,9 @@ _EXPANSIONS = {
     "mlp": _mlp,
     "moe": _moe,
     "lm_head": _lm_head,
+    "layer_norm": _layer_norm,
+    "encoder_attention": _encoder_attention,
+    "ffn": _ffn,
+    "pool": _pool,
+    "classifier": _classifier,
 }

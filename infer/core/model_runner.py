@@ -77,7 +77,8 @@ class ModelRunner:
         self.kv_tier = None  # the host tier's store (`allocate_kv_tier`), when the engine has one
         self.contexts: dict[int, LayerContext] = {}
         # The program's results: logits, or on a stage before the last what the next stage needs.
-        self.outputs = ("logits",) if any(n.op == "lm_head" for n in program.graph.nodes) else CARRIED
+        ops_in_graph = {n.op for n in program.graph.nodes}
+        self.outputs = ("logits",) if "lm_head" in ops_in_graph else ("pooled",) if "pool" in ops_in_graph else CARRIED
         self._node_ops = {n.name: n.op for n in program.graph.nodes}
         self.has_lora = any(c.primitive == "lora" for c in program.calls)  # LoRA stacks (`core/lora.py`)
         self._load_params(weights, progress)
@@ -235,7 +236,8 @@ class ModelRunner:
         cfg = self.config
         shape = (num_blocks, block_size, self.num_kv_heads, cfg.head_dim)
         # One tensor of pages per position in a KV group (every layer without a hybrid cache).
-        layers = range(self.kv_groups.num_slots)
+        # An encoder's layers attend within the step (`encoder_attention`): no cache at all.
+        layers = range(self.kv_groups.num_slots) if self.layers else ()
         if self.kv_cache_dtype != "fp8":
             self.kv_caches = [self.backend.allocate_kv_cache(*shape, self.dtype) for _ in layers]
         else:
@@ -288,7 +290,7 @@ class ModelRunner:
     def _bind_primitive(self, c: Call, ops) -> Callable[[dict], None]:
         """One primitive call: its arguments gathered by `SIGNATURES` (the table
         the conformance harness calls through too), its implementation bound once."""
-        prim, ctx = c.primitive, self.contexts[c.layer] if c.layer is not None else None
+        prim, ctx = c.primitive, self.contexts.get(c.layer) if c.layer is not None else None
         values = dict(zip(value_args(prim), c.inputs))
         named: dict[str, Any] = {}
         for arg in SIGNATURES[prim]:
@@ -370,21 +372,28 @@ class ModelRunner:
 
     # -- execution ------------------------------------------------------------
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """A step's host metadata on the device, with the plan of the backend that serves this model's attention."""
+        """A step's host metadata on the device, with the plan of the backend that serves this model's attention
+        (an encoder, which has no paged attention, gets the arrays alone)."""
+        if not self.attention_key:
+            return self.backend.prepare_metadata(meta)
         return self.ops.prepare_metadata(meta, **self.attention_key)
 
     def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata,
-                carry: dict[str, Any] | None = None, lora_indices=None) -> ForwardOutput:
+                carry: dict[str, Any] | None = None, lora_indices=None, token_type_ids=None) -> ForwardOutput:
         """Logits [S, vocab] (float32) of the rows in `sample_rows`, and each MoE
         layer's tokens per expert; all inputs on the device. A pipeline stage after
         the first starts from `carry` (the previous stage's ``hidden`` and
         ``residual``); one before the last returns its own carry instead of logits.
         `lora_indices` [T]: each token's LoRA adapter slot (0: none), for a program
-        with `lora` calls."""
+        with `lora` calls. A pooling program returns ``pooled`` (float32, one row per
+        sequence of `meta`) instead of logits; an encoder with token types reads
+        `token_type_ids` [T]."""
         if not self._steps:
             raise RuntimeError("ModelRunner.forward before allocate_kv_caches")
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta,
-               "slot_mapping": meta.slot_mapping, **(carry or {})}
+               "slot_mapping": meta.slot_mapping, "query_start_loc": meta.query_start_loc, **(carry or {})}
+        if token_type_ids is not None:
+            env["token_type_ids"] = token_type_ids
         if len(meta.kv_groups or ()) != self.kv_groups.num_groups - 1:
             raise ValueError(f"the step's metadata has {1 + len(meta.kv_groups or ())} block tables; this model's "
                              f"hybrid KV cache has {self.kv_groups.num_groups} groups ({self.kv_groups.describe()})")
@@ -401,6 +410,8 @@ class ModelRunner:
         counts = {layer: env[name] for layer, name in self._count_outputs}
         if self.outputs is CARRIED:
             return ForwardOutput(None, counts, {name: env[name] for name in CARRIED})
+        if self.outputs == ("pooled",):
+            return ForwardOutput(None, counts, pooled=self.backend.cast(env["pooled"], "float32"))
         return ForwardOutput(self.backend.cast(env["logits"], "float32"), counts)
 
 

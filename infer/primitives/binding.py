@@ -44,9 +44,13 @@ def _sig(*args: str) -> tuple[Arg, ...]:
 SIGNATURES: dict[str, tuple[Arg, ...]] = {
     "embedding": _sig("ids:value", "table:weight"),
     "rms_norm": _sig("x:value", "weight:weight", "eps:attr", "residual:value?"),
+    "layer_norm": _sig("x:value", "weight:weight", "bias:weight?", "eps:attr", "residual:value?"),
     "linear": _sig("x:value", "weight:weight"),
     "rotary": _sig("q:value", "k:value", "positions:value", "cos_sin_cache:layer", "neox_style:attr"),
     "act_and_mul": _sig("x:value", "kind:attr"),
+    "activation": _sig("x:value", "kind:attr"),
+    "encoder_attention": _sig("q:value", "k:value", "v:value", "query_start_loc:step", "scale:attr"),
+    "pool": _sig("x:value", "query_start_loc:step", "method:attr"),
     "kv_write": _sig("k:value", "v:value", "kv_cache:layer", "slot_mapping:step", "scales:layer?"),
     "attention": _sig("q:value", "kv_cache:layer", "meta:step", "scale:attr", "sliding_window:attr?",
                       "soft_cap:attr?", "kv_scales:layer?", "sinks:weight?"),

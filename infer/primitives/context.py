@@ -56,3 +56,5 @@ class ForwardOutput:
     # A pipeline stage before the last: the values the next stage starts from
     # (``hidden``, ``residual``); its logits are None.
     carry: dict[str, Any] | None = None
+    # A pooling model: one float32 row per sequence (``pool``, then any classifier head); logits None.
+    pooled: Any = None

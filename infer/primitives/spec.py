@@ -18,6 +18,12 @@ rms_norm(x, weight, eps, residual=None) -> y | (y, residual_out)
     With residual [T, H]: first ``x = x + residual`` (rounded to x's dtype),
     returns ``(rms_norm(x), x)`` so the sum becomes the next residual.
 
+layer_norm(x, weight, bias, eps, residual=None) -> y | (y, residual_out)
+    x [T, H], weight [H], bias [H] or None. ``y = (x - mean(x)) / sqrt(var(x)
+    + eps) * weight + bias`` over each row, var the population variance
+    (BERT, XLM-R, ViT towers). With residual [T, H]: first ``x = x + residual``
+    (rounded to x's dtype), returns ``(layer_norm(x), x)`` as rms_norm does.
+
 linear(x, weight) -> [T, N]
     x [T, K], weight a `WeightHandle` of shape [N, K]: ``x @ W.T + bias``.
 
@@ -32,6 +38,11 @@ rotary(q, k, positions, cos_sin_cache, neox_style) -> (q, k)
 act_and_mul(x, kind) -> [T, I]
     x [T, 2I]: ``act(x[:, :I]) * x[:, I:]`` with kind 'silu' (SwiGLU),
     'gelu' (erf) or 'gelu_tanh'.
+
+activation(x, kind) -> x's shape
+    Elementwise, not gated: ``act(x)`` with kind 'gelu' (erf), 'gelu_tanh',
+    'silu', 'relu' or 'tanh' (an encoder's MLP, a classifier's pooler), in
+    float32, rounded once.
 
 kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None
     k, v [T, Hk, D] into the paged cache of one layer, token t at slot
@@ -59,6 +70,20 @@ attention(q, kv_cache, meta, scale, sliding_window=None, soft_cap=None, kv_scale
     + sum_i exp(s_i))`` over the keys the query sees (after soft-capping). `Ops.resolve`
     passes ``sinks=True``, and only a backend whose ``attention`` takes a
     ``sinks`` argument is asked.
+
+encoder_attention(q, k, v, query_start_loc, scale) -> [T, Hq, D]
+    Bidirectional attention without a cache: the flattened batch holds B
+    sequences, sequence b the rows ``query_start_loc[b] .. query_start_loc[b+1]``
+    of q [T, Hq, D], k and v [T, Hk, D]; each query sees every key of its own
+    sequence and none of another's (encoders, a vision tower's images or
+    windows). Query head h reads KV head ``h // (Hq // Hk)``; scores
+    ``scale * q.k``, softmax in float32.
+
+pool(x, query_start_loc, method) -> [B, H] ([T, H] for 'all')
+    One row per sequence of the flattened batch (as in encoder_attention),
+    in x's dtype: 'cls' its first row, 'last' its last row, 'mean' the mean
+    of its rows and 'max' their elementwise maximum (accumulated in float32,
+    rounded once); 'all' returns x. Every sequence has at least one row.
 
 moe(x, router_logits, w13, w2, top_k, renormalize, shared=None, shared_gate=None,
     w13_bias=None, w2_bias=None, activation=None, swiglu_alpha=None, swiglu_limit=None) -> (out [T, H], tokens_per_expert [E])
@@ -122,11 +147,15 @@ from .types import EXPERT_WEIGHT_KINDS, FLOAT_DTYPES, AttentionMetadata, Samplin
 PRIMITIVES: tuple[str, ...] = (
     "embedding",
     "rms_norm",
+    "layer_norm",
     "linear",
     "rotary",
     "act_and_mul",
+    "activation",
     "kv_write",
     "attention",
+    "encoder_attention",
+    "pool",
     "mla_kv_write",
     "mla_attention",
     "moe",
@@ -137,6 +166,9 @@ PRIMITIVES: tuple[str, ...] = (
 )
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# The kinds of the (ungated) `activation` primitive.
+PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "tanh")
+POOL_METHODS = ("cls", "last", "mean", "max", "all")
 # The gated activations of `moe` (None means 'silu').
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -201,6 +233,60 @@ def check_rms_norm(x, weight, eps, residual=None) -> None:
         if _shape(residual) != (t, h):
             raise PrimitiveArgumentError("rms_norm", "residual", f"must be [{t}, {h}] like x, got {_shape(residual)}")
         _check_same_dtype("rms_norm", "residual", residual, dt)
+
+
+def check_layer_norm(x, weight, bias, eps, residual=None) -> None:
+    t, h = _check_rank("layer_norm", "x", x, 2, "[T, H]")
+    dt = _check_float("layer_norm", "x", x)
+    for name, w in (("weight", weight), ("bias", bias)):
+        if w is not None and _check_rank("layer_norm", name, w, 1, "[H]") != (h,):
+            raise PrimitiveArgumentError("layer_norm", name, f"must be [{h}], got {_shape(w)}")
+    if not eps > 0:
+        raise PrimitiveArgumentError("layer_norm", "eps", f"must be > 0, got {eps}")
+    if residual is not None:
+        if _shape(residual) != (t, h):
+            raise PrimitiveArgumentError("layer_norm", "residual", f"must be [{t}, {h}] like x, got {_shape(residual)}")
+        _check_same_dtype("layer_norm", "residual", residual, dt)
+
+
+def check_activation(x, kind) -> None:
+    if not hasattr(x, "shape"):
+        raise PrimitiveArgumentError("activation", "x", f"must be an array, got {type(x).__name__}")
+    _check_float("activation", "x", x)
+    if kind not in PLAIN_ACTIVATIONS:
+        raise PrimitiveArgumentError("activation", "kind", f"must be one of {PLAIN_ACTIVATIONS}, got {kind!r}")
+
+
+def _check_sequences(prim: str, query_start_loc, t: int) -> None:
+    (n,) = _check_rank(prim, "query_start_loc", query_start_loc, 1, "[B + 1]")
+    _check_int(prim, "query_start_loc", query_start_loc)
+    if n < 1:
+        raise PrimitiveArgumentError(prim, "query_start_loc", "must hold at least one offset (0)")
+    last = int(query_start_loc[-1])
+    if last != t:
+        raise PrimitiveArgumentError(prim, "query_start_loc", f"ends at {last} but the batch has {t} rows")
+
+
+def check_encoder_attention(q, k, v, query_start_loc, scale) -> None:
+    t, hq, d = _check_rank("encoder_attention", "q", q, 3, "[T, Hq, D]")
+    dt = _check_float("encoder_attention", "q", q)
+    tk, hk, dk = _check_rank("encoder_attention", "k", k, 3, "[T, Hk, D]")
+    if (tk, dk) != (t, d) or hk < 1 or hq % hk:
+        raise PrimitiveArgumentError("encoder_attention", "k", f"must be [{t}, Hk, {d}] with Hk dividing {hq}, "
+                                     f"got {_shape(k)}")
+    if _shape(v) != (t, hk, d):
+        raise PrimitiveArgumentError("encoder_attention", "v", f"must be [{t}, {hk}, {d}] like k, got {_shape(v)}")
+    for name, a in (("k", k), ("v", v)):
+        _check_same_dtype("encoder_attention", name, a, dt)
+    _check_sequences("encoder_attention", query_start_loc, t)
+
+
+def check_pool(x, query_start_loc, method) -> None:
+    t, _ = _check_rank("pool", "x", x, 2, "[T, H]")
+    _check_float("pool", "x", x)
+    if method not in POOL_METHODS:
+        raise PrimitiveArgumentError("pool", "method", f"must be one of {POOL_METHODS}, got {method!r}")
+    _check_sequences("pool", query_start_loc, t)
 
 
 def check_linear(x, weight) -> None:

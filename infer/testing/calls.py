@@ -114,6 +114,34 @@ def call_act_and_mul(h: Harness, x: dict) -> None:
     h.out("out", h.call("act_and_mul", x=xx, kind=x["kind"]), like=xx)
 
 
+def call_layer_norm(h: Harness, x: dict) -> None:
+    xx, w, b = h.f(x["x"]), h.f(x["weight"]), h.f(x["bias"])
+    out = h.call("layer_norm", x=xx, weight=w, bias=b, eps=x["eps"], residual=h.f(x["residual"]))
+    if x["residual"] is None:
+        h.out("out", out, like=xx)
+    else:
+        y, residual = out
+        h.out("out", y, like=xx)
+        h.out("residual", residual, like=xx)
+
+
+def call_activation(h: Harness, x: dict) -> None:
+    xx = h.f(x["x"])
+    h.out("out", h.call("activation", x=xx, kind=x["kind"]), like=xx)
+
+
+def call_encoder_attention(h: Harness, x: dict) -> None:
+    q = h.f(x["q"])
+    out = h.call("encoder_attention", q=q, k=h.f(x["k"]), v=h.f(x["v"]), query_start_loc=h.i(x["query_start_loc"]),
+                 scale=x["scale"])
+    h.out("out", out, like=q)
+
+
+def call_pool(h: Harness, x: dict) -> None:
+    xx = h.f(x["x"])
+    h.out("out", h.call("pool", x=xx, query_start_loc=h.i(x["query_start_loc"]), method=x["method"]), like=xx)
+
+
 def _cache_outputs(h: Harness, cache: Any, shape: tuple[int, ...], owner: Backend | None = None) -> None:
     k, v = (owner or h.backend).kv_cache_to_numpy(cache)
     for name, c in (("k_cache", k), ("v_cache", v)):

@@ -211,6 +211,28 @@ def all_cases(block_size: int = 16) -> list[Case]:
         ("large_values_h80", dict(t=3, h=80, scale=40.0)), ("one_token", dict(t=1, h=64, residual=True)),
         ("empty_batch", dict(t=0, h=64, residual=True)),
     ])
+    cases += _each_dtype("layer_norm", [
+        ("bias_h64", dict(t=5, h=64)), ("residual_h64", dict(t=5, h=64, residual=True)),
+        ("no_bias_h48", dict(t=4, h=48, bias=False)),
+        # A large common offset: a one-pass E[x^2] - E[x]^2 variance loses it.
+        ("offset_h80", dict(t=3, h=80, shift=20.0)), ("one_token", dict(t=1, h=64, residual=True)),
+        ("empty_batch", dict(t=0, h=64, residual=True)),
+    ])
+    cases += _each_dtype("activation", [
+        ("gelu", dict(kind="gelu")), ("gelu_tanh", dict(kind="gelu_tanh")), ("silu", dict(kind="silu")),
+        ("relu", dict(kind="relu")), ("tanh", dict(kind="tanh")), ("one_token", dict(t=1, kind="gelu")),
+        ("empty_batch", dict(t=0, kind="gelu")),
+    ])
+    cases += _each_dtype("encoder_attention", [
+        ("three_seqs_gqa", dict(lens=[5, 1, 9])), ("mha_d64", dict(lens=[7, 3], hq=2, hk=2, d=64)),
+        ("mqa_one_seq", dict(lens=[12], hq=4, hk=1)), ("one_token", dict(lens=[1])),
+        # Sharp scores: a query that leaks into another sequence's keys shows.
+        ("sharp_many_seqs", dict(lens=[2, 17, 4, 1, 6], q_scale=3.0)), ("empty_batch", dict(lens=[])),
+    ])
+    cases += _each_dtype("pool", [
+        (f"{m}_three_seqs", dict(lens=[4, 1, 6], method=m)) for m in ("cls", "last", "mean", "max", "all")
+    ] + [("mean_one_seq", dict(lens=[9], method="mean")), ("last_one_token", dict(lens=[1], method="last")),
+         ("mean_empty_batch", dict(lens=[], method="mean"))])
     cases += _each_dtype("linear", [
         ("k64_n48", dict(t=5, k=64, n=48)), ("bias_k80_n40", dict(t=5, k=80, n=40, bias=True)),
         ("one_token", dict(t=1, k=64, n=48, bias=True)), ("empty_batch", dict(t=0, k=64, n=48)),

@@ -37,6 +37,34 @@ def rms_norm(rng, dtype, t, h, residual=False, scale=1.0):
     }
 
 
+def layer_norm(rng, dtype, t, h, residual=False, bias=True, scale=1.0, shift=0.0):
+    return {
+        "x": round_to_dtype(rng.standard_normal((t, h)).astype(np.float32) * scale + shift, dtype),
+        "weight": round_to_dtype(1.0 + 0.1 * rng.standard_normal(h), dtype),
+        "bias": _normal(rng, (h,), dtype, 0.1) if bias else None,
+        "eps": 1e-12 if bias else 1e-5,
+        "residual": _normal(rng, (t, h), dtype, scale) if residual else None,
+    }
+
+
+def activation(rng, dtype, kind, t=5, n=40):
+    return {"x": _normal(rng, (t, n), dtype, 2.0), "kind": kind}
+
+
+def _starts(lens) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def encoder_attention(rng, dtype, lens, hq=4, hk=2, d=32, q_scale=1.0):
+    t = int(sum(lens))
+    return {"q": _normal(rng, (t, hq, d), dtype, q_scale), "k": _normal(rng, (t, hk, d), dtype),
+            "v": _normal(rng, (t, hk, d), dtype), "query_start_loc": _starts(lens), "scale": d**-0.5}
+
+
+def pool(rng, dtype, lens, method, h=24):
+    return {"x": _normal(rng, (int(sum(lens)), h), dtype), "query_start_loc": _starts(lens), "method": method}
+
+
 def _token_quantizable(rng, dtype, t, k, zero_row=False) -> np.ndarray:
     """x for a weight that quantizes its input per token: each row a power of two d times values
     in [-127, 127] with one of them at +-127, so its scale max|x| / 127 is d exactly and x / s is
@@ -399,7 +427,8 @@ def lora(rng, dtype, t, slices=(40,), k=48, rank=8, slots=4, indices="mixed"):
 
 BUILDERS: dict[str, Any] = {
     name: globals()[name]
-    for name in ("embedding", "rms_norm", "linear", "rotary", "act_and_mul", "kv_write", "attention", "mla_kv_write",
+    for name in ("embedding", "rms_norm", "layer_norm", "linear", "rotary", "act_and_mul", "activation",
+                 "encoder_attention", "pool", "kv_write", "attention", "mla_kv_write",
                  "mla_attention", "moe", "lora",
                  "sample", "all_reduce", "all_gather", "copy_blocks", "read_write_blocks")
 }

@@ -89,6 +89,24 @@ def attention(q, kv_cache, meta: AttentionMetadata, scale, sliding_window=None, 
 # plane, its second in the V plane.
 
 
+def encoder_attention(q, k, v, query_start_loc, scale):
+    """Each sequence's queries over all of its own keys (no mask within a sequence), float64."""
+    t, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = np.zeros((t, hq, d), dtype=np.float32)
+    bounds = np.asarray(query_start_loc).tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            continue
+        for h in range(hq):
+            qh = q[lo:hi, h].astype(np.float64)
+            kh, vh = k[lo:hi, h // group].astype(np.float64), v[lo:hi, h // group].astype(np.float64)
+            s = scale * (qh @ kh.T)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[lo:hi, h] = (p / p.sum(axis=1, keepdims=True)) @ vh
+    return out
+
+
 def mla_kv_write(c_kv, k_pe, kv_cache, slot_mapping) -> None:
     latent = np.concatenate([np.asarray(c_kv), np.asarray(k_pe)], axis=1)
     half = latent.shape[1] // 2

@@ -53,6 +53,10 @@ class CpuRefBackend(Backend):
     # -- primitives -------------------------------------------------------------
     embedding = staticmethod(quant.embedding)
     rms_norm = staticmethod(ops.rms_norm)
+    layer_norm = staticmethod(ops.layer_norm)
+    activation = staticmethod(ops.activation)
+    encoder_attention = staticmethod(attention.encoder_attention)
+    pool = staticmethod(ops.pool)
     linear = staticmethod(quant.linear)
     rotary = staticmethod(ops.rotary)
     act_and_mul = staticmethod(ops.act_and_mul)

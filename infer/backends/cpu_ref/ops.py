@@ -24,6 +24,18 @@ def rms_norm(x, weight, eps, residual=None):
     return y if residual is None else (y, x)
 
 
+def layer_norm(x, weight, bias, eps, residual=None):
+    if residual is not None:
+        x = (x.astype(np.float64) + residual).astype(np.float32)
+    x64 = x.astype(np.float64)
+    centred = x64 - x64.mean(axis=-1, keepdims=True)
+    y = centred / np.sqrt(np.mean(centred * centred, axis=-1, keepdims=True) + eps) * weight
+    if bias is not None:
+        y = y + bias
+    y = y.astype(np.float32)
+    return y if residual is None else (y, x)
+
+
 def linear(x: np.ndarray, weight: DenseWeight) -> np.ndarray:
     y = x.astype(np.float64) @ weight.weight.astype(np.float64).T
     if weight.bias is not None:
@@ -51,6 +63,10 @@ def rotary(q, k, positions, cos_sin_cache, neox_style):
 
 
 def act(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "relu":
+        return np.maximum(x, 0.0)
+    if kind == "tanh":
+        return np.tanh(x)
     if kind == "silu":
         return x / (1.0 + np.exp(-x))
     if kind == "gelu":
@@ -64,6 +80,23 @@ def act_and_mul(x: np.ndarray, kind: str) -> np.ndarray:
     x = x.astype(np.float64)
     i = x.shape[1] // 2
     return (act(x[:, :i], kind) * x[:, i:]).astype(np.float32)
+
+
+def activation(x: np.ndarray, kind: str) -> np.ndarray:
+    return act(x.astype(np.float64), kind).astype(np.float32)
+
+
+def pool(x: np.ndarray, query_start_loc, method: str) -> np.ndarray:
+    """One row per sequence (see spec.pool), reduced in float64."""
+    if method == "all":
+        return np.array(x, dtype=np.float32)
+    bounds = np.asarray(query_start_loc).tolist()
+    rows = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        seq = x[lo:hi].astype(np.float64)
+        rows.append({"cls": lambda: seq[0], "last": lambda: seq[-1], "mean": lambda: seq.mean(axis=0),
+                     "max": lambda: seq.max(axis=0)}[method]())
+    return np.array(rows, dtype=np.float32).reshape(len(rows), x.shape[1])
 
 
 def lora(x, y, lora_a, lora_b, lora_indices, output_slices=None):

@@ -420,6 +420,19 @@ def attention(
 # -- multi-head latent attention (DeepSeek V2/V3): cpu_ref's definition ------------
 
 
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc, scale: float) -> torch.Tensor:
+    """Each sequence through SDPA on its own rows (no mask: every key of the sequence is seen)."""
+    out = torch.empty_like(q)
+    bounds = query_start_loc.tolist() if isinstance(query_start_loc, torch.Tensor) else list(query_start_loc)
+    gqa = q.shape[1] != k.shape[1]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1),
+                                               v[lo:hi].transpose(0, 1), scale=scale, enable_gqa=gqa)
+            out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
 def mla_kv_write(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     latent = torch.cat([c_kv, k_pe], dim=1)
     half = latent.shape[1] // 2

@@ -7,7 +7,7 @@ from typing import Any
 from ...primitives.backend import FastPath, Support
 from ...primitives.types import ACT_QUANTS, EXPERT_WEIGHT_KINDS, FLOAT_DTYPES, QUANTIZED_KINDS, AttentionMetadata, WeightHandle
 from . import act_quant, collectives, fast_paths, fused, native, ops, quant_linear
-from .attention import LazyPlan, attention, kv_write, lazy_plan, mla_attention, mla_kv_write
+from .attention import LazyPlan, attention, encoder_attention, kv_write, lazy_plan, mla_attention, mla_kv_write
 from .lora import lora
 from .moe import moe
 from ...primitives.torch_tensors import TorchTensors
@@ -100,6 +100,10 @@ class TorchBackend(TorchTensors):
     # -- primitives -------------------------------------------------------------
     embedding = staticmethod(quant_linear.embedding_any)
     rms_norm = staticmethod(ops.rms_norm)
+    layer_norm = staticmethod(ops.layer_norm)
+    activation = staticmethod(ops.activation)
+    encoder_attention = staticmethod(encoder_attention)
+    pool = staticmethod(ops.pool)
     rotary = staticmethod(ops.rotary)
     act_and_mul = staticmethod(ops.act_and_mul)
     kv_write = staticmethod(kv_write)

@@ -114,3 +114,39 @@ def act_and_mul(x: torch.Tensor, kind: str) -> torch.Tensor:
     half = x.shape[-1] // 2
     xf = x.float()
     return (act(xf[:, :half]) * xf[:, half:]).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual  # rounded to x's dtype: the stream the next block adds to
+    y = F.layer_norm(x.float(), weight.shape, weight.float(), None if bias is None else bias.float(), eps).to(x.dtype)
+    return y if residual is None else (y, x)
+
+
+_PLAIN = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu,
+          "tanh": torch.tanh}
+
+
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    try:
+        act = _PLAIN[kind]
+    except KeyError:
+        raise ValueError(f"activation: unknown kind {kind!r}; expected one of {tuple(_PLAIN)}") from None
+    return x if x.numel() == 0 else act(x.float()).to(x.dtype)
+
+
+def pool(x: torch.Tensor, query_start_loc: torch.Tensor, method: str) -> torch.Tensor:
+    if method == "all":
+        return x
+    starts = query_start_loc.long()
+    if method == "cls":
+        return x.index_select(0, starts[:-1])
+    if method == "last":
+        return x.index_select(0, starts[1:] - 1)
+    lengths = starts[1:] - starts[:-1]
+    if method not in ("mean", "max"):
+        raise ValueError(f"pool: unknown method {method!r}")
+    if not len(lengths):
+        return x.new_zeros((0, x.shape[1]))
+    return torch.segment_reduce(x.float(), method, lengths=lengths, axis=0).to(x.dtype)

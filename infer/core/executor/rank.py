@@ -22,6 +22,8 @@ from ..lowering import TP_GROUP, lower
 from ..memory import trim_heap
 from ..kv_groups import plan_kv_groups
 from ..model_runner import CARRIED, ModelRunner
+from ..loader.pooling_config import read_pooling_config
+from ..models.pooling import POOLING_ARCHITECTURES, align_sources, build_pooling
 from ..parallel import shard_graph
 
 
@@ -36,6 +38,7 @@ class ModelParts:
     dtype: str
     max_model_len: int
     lora_targets: dict  # `lora.lora_targets` of the whole model; empty without LoRA
+    pooling: Any = None  # a pooling model's `PoolingConfig` (embeddings, scores); None: a generating model
 
 
 def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None, load_tokenizer: bool) -> ModelParts:
@@ -53,7 +56,16 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     if name not in backend.dtypes:
         raise ValueError(f"dtype {name} is not supported by backend '{backend.name}' "
                          f"(supported: {', '.join(backend.dtypes)})")
-    graph = reg.models[m.architecture](m.config)
+    pooling = pooling_runner(a.runner, m.architecture)
+    if pooling:
+        if dist is not None or a.enable_lora:
+            raise ValueError(f"{m.architecture}: pooling models run on one rank without LoRA for now "
+                             "(tensor/pipeline parallelism and --enable-lora are for generating models)")
+        pooling = read_pooling_config(m.source)
+        graph = build_pooling({**m.config, "infer_pooling": {"method": pooling.method}})
+        align_sources(graph, m.weight_names)
+    else:
+        graph = reg.models[m.architecture](m.config)
     targets = lora_targets(graph) if a.enable_lora else {}
     if dist is not None:
         if dist.config.pipeline_parallel_size > 1:
@@ -66,6 +78,8 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     if a.max_model_len is not None and a.max_model_len > model_len:
         raise ValueError(f"max_model_len={a.max_model_len} exceeds the model's max_position_embeddings={model_len}")
     max_model_len = a.max_model_len or model_len
+    if pooling and pooling.max_seq_length and not a.max_model_len:  # sentence-transformers' own cap
+        max_model_len = min(max_model_len, pooling.max_seq_length)
     # 'auto' keeps stored quantized weights where the backend's quantized kernels
     # pay (always for 16-bit activations; for float32 only where they are exact).
     keep = a.quantization == "fp8" or (a.quantization == "auto" and backend.keeps_quantized(name))
@@ -87,7 +101,19 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
             logging.getLogger("infer").info(line)
     del weights  # the checkpoint (a GGUF reader holds its whole vocabulary) goes before the KV pool comes
     trim_heap()
-    return ModelParts(m, graph, program, runner, name, max_model_len, targets)
+    return ModelParts(m, graph, program, runner, name, max_model_len, targets, pooling or None)
+
+
+def pooling_runner(runner: str, architecture: str) -> bool:
+    """Whether `architecture` is served as a pooling model under `runner` (EngineArgs.runner)."""
+    if runner == "pooling":
+        return True
+    if architecture in POOLING_ARCHITECTURES:
+        if runner == "generate":
+            raise ValueError(f"{architecture} has no language-model head to generate with; serve it with "
+                             "--runner pooling (embeddings, scores)")
+        return True
+    return False
 
 
 def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | None = None):

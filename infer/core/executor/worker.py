@@ -46,6 +46,7 @@ class Worker:
         self.model, self.graph, self.runner = parts.loaded, parts.graph, parts.runner
         self.dtype, self.max_model_len, self.lora_targets = parts.dtype, parts.max_model_len, parts.lora_targets
         self.vocab_size = parts.graph.config.vocab_size
+        self.pooling = parts.pooling  # a pooling model's settings (`core/pooling.py`); None: it generates
         # MoE models: tokens per expert per layer, accumulated over steps; None for dense models.
         self.expert_load = ExpertLoad.for_program(parts.program, backend.to_numpy)
         self.sampler = Sampler(backend, self.ops)
@@ -138,6 +139,15 @@ class Worker:
         if forward.logits is None:
             return Pending(sampling, (len(step.sample_rows), self.vocab_size))
         return self.sampler(forward.logits, sampling)
+
+    def execute_pooling(self, inputs: dict) -> np.ndarray:
+        """A pooling step's forward (`PoolingEngine._inputs`): its ``pooled`` rows, float32, on the host."""
+        be, meta = self.backend, inputs["meta"]
+        types = inputs["token_type_ids"]
+        out = self.runner.forward(be.asarray(inputs["input_ids"]), be.asarray(inputs["positions"]),
+                                  be.asarray(np.zeros(0, np.int64)), self.runner.prepare_metadata(meta),
+                                  token_type_ids=None if types is None else be.asarray(types))
+        return be.to_numpy(out.pooled)
 
     def finish(self, pending: Pending) -> ModelRunnerOutput:
         """Sample a started step of a pipeline once its logits arrive from the last stage."""

@@ -4,9 +4,10 @@ from ...primitives.hookspecs import hookimpl
 from .llama import ARCHITECTURES, build_llama
 from .deepseek import ARCHITECTURES as DEEPSEEK_ARCHITECTURES, build_deepseek
 from .moe import ARCHITECTURES as MOE_ARCHITECTURES, build_moe
+from .pooling import POOLING_ARCHITECTURES, build_pooling
 
 
 @hookimpl
 def infer_register_models():
     return {arch: build_llama for arch in ARCHITECTURES} | {arch: build_moe for arch in MOE_ARCHITECTURES} | {
-        arch: build_deepseek for arch in DEEPSEEK_ARCHITECTURES}
+        arch: build_deepseek for arch in DEEPSEEK_ARCHITECTURES} | {arch: build_pooling for arch in POOLING_ARCHITECTURES}

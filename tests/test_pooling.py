@@ -1,0 +1,123 @@
+"""Pooling models against sentence-transformers (nobody here wrote it): embeddings equal
+`SentenceTransformer.encode`, cross-encoder scores equal `CrossEncoder.predict`, batching
+changes nothing, bad inputs are refused naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
+
+from infer import LLM  # noqa: E402
+from infer.core.pooling import PoolingParams  # noqa: E402
+from tiny_pooling import save_cross_encoder, save_embedding_model, sentences  # noqa: E402
+
+TEXTS = sentences(12, seed=3, min_words=1, max_words=60)
+
+
+def _cosines(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pooling")
+    made = {}
+
+    def get(kind: str, arch: str, pooling: str = "mean", normalize: bool = True, **cfg) -> str:
+        key = (kind, arch, pooling, normalize, tuple(sorted(cfg.items())))
+        if key not in made:
+            path = root / "-".join(map(str, key[:4])) / str(len(made))
+            made[key] = (save_embedding_model(path, arch, pooling, normalize, **cfg) if kind == "embed"
+                         else save_cross_encoder(path, arch, **cfg))
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch, pooling, normalize", [
+    ("bert", "mean", True), ("bert", "cls", True), ("bert", "max", False), ("xlm-roberta", "mean", True),
+    ("xlm-roberta", "cls", False), ("qwen3", "lasttoken", True), ("qwen2", "mean", True)])
+def test_embeddings_equal_sentence_transformers(models, arch, pooling, normalize):
+    path = models("embed", arch, pooling, normalize)
+    want = SentenceTransformer(path, device="cpu").encode(TEXTS, batch_size=4)
+    llm = LLM(path, backend="torch", dtype="float32")
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    got = np.array([o.outputs.embedding for o in outs])
+    assert got.shape == want.shape
+    assert _cosines(got, want).min() >= 0.99999
+    np.testing.assert_allclose(got, want, atol=2e-5 * max(1.0, float(np.abs(want).max())))
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_the_reference_backend_gives_the_same_embeddings(models):
+    path = models("embed", "bert", "mean", True)
+    want = SentenceTransformer(path, device="cpu").encode(TEXTS[:4])
+    got = [o.outputs.embedding for o in LLM(path, backend="cpu_ref", dtype="float32").embed(TEXTS[:4], use_tqdm=False)]
+    assert _cosines(got, want).min() >= 0.99999
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "qwen3"])
+def test_rerank_scores_equal_cross_encoder_predict(models, arch):
+    path = models("score", arch)
+    query, docs = TEXTS[0], TEXTS[1:9]
+    want = CrossEncoder(path, device="cpu").predict([(query, d) for d in docs])
+    llm = LLM(path, backend="torch", dtype="float32")
+    got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_batching_with_other_lengths_changes_nothing(models):
+    path = models("embed", "qwen3", "lasttoken", True)  # a decoder: its scratch KV blocks are shared per step
+    llm = LLM(path, backend="torch", dtype="float32", max_num_batched_tokens=256)
+    alone = [llm.embed(t, use_tqdm=False)[0].outputs.data for t in TEXTS[:5]]
+    together = [o.outputs.data for o in llm.embed(TEXTS * 3, use_tqdm=False)]  # several steps of mixed lengths
+    for i, a in enumerate(alone):
+        for j in (i, i + len(TEXTS), i + 2 * len(TEXTS)):
+            np.testing.assert_allclose(together[j], a, atol=1e-6)
+
+
+def test_embedding_models_score_by_cosine(models):
+    path = models("embed", "bert", "mean", True)
+    st = SentenceTransformer(path, device="cpu")
+    a, b = st.encode([TEXTS[0]]), st.encode(TEXTS[1:4])
+    want = (b @ a[0]) / np.linalg.norm(b, axis=1) / np.linalg.norm(a[0])
+    got = [o.outputs.score for o in LLM(path, backend="torch", dtype="float32").score(TEXTS[0], TEXTS[1:4],
+                                                                                       use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_bad_inputs_are_refused_naming_the_problem(models):
+    path = models("embed", "bert", "cls", True, max_position_embeddings=32)
+    llm = LLM(path, backend="torch", dtype="float32")
+    long = " ".join(["the"] * 60)
+    empty, too_long, ok = llm.embed([{"prompt_token_ids": []}, long, "hello world"], use_tqdm=False)
+    assert "empty" in empty.error and empty.outputs is None
+    assert "more than 32" in too_long.error and "truncate_prompt_tokens" in too_long.error
+    assert ok.error is None and len(ok.outputs.embedding) == 64
+    cut = llm.embed(long, truncate_prompt_tokens=20, use_tqdm=False)[0]
+    assert cut.error is None and len(cut.prompt_token_ids) == 20
+    dims = llm.embed("hello", PoolingParams(dimensions=8), use_tqdm=False)[0]
+    assert "dimensions" in dims.error and "Matryoshka" in dims.error
+    assert "serves task 'embed', not 'classify'" in llm.classify("hello", use_tqdm=False)[0].error
+    with pytest.raises(ValueError, match="pooling model"):
+        llm.generate("hello")
+
+
+def test_matryoshka_dimensions_cut_then_normalise(models, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "mrl"
+    shutil.copytree(models("embed", "bert", "mean", True), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32, 64]}))
+    want = SentenceTransformer(str(path), device="cpu", truncate_dim=16).encode(TEXTS[:3])
+    llm = LLM(str(path), backend="torch", dtype="float32")
+    got = [o.outputs.embedding for o in llm.embed(TEXTS[:3], PoolingParams(dimensions=16), use_tqdm=False)]
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert _cosines(got, want).min() >= 0.99999
+    assert "must be one of [16, 32, 64]" in llm.embed("x", PoolingParams(dimensions=10), use_tqdm=False)[0].error
