@@ -21,6 +21,9 @@ def block_size_arg(text: str) -> int | str:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags under vLLM's names, shared by run, serve and bench."""
     p.add_argument("--model", default="smollm2", help="HF directory, .gguf file or alias (default: smollm2)")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate text, or pool (embeddings, scores); auto: pooling for encoder, bare-backbone and "
+                        "classifier architectures (vLLM's --runner)")
     p.add_argument("--backend", default="auto", help="auto|cpu_ref|torch|cuda|ascend|<plugin> (auto: cuda, ascend, torch)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default=None, help="torch device for the backend (default: the backend's)")
@@ -96,7 +99,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
-    names = ("model", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    names = ("model", "runner", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
              "disable_hybrid_kv_cache_manager", "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "seed",
              "structured_outputs_backend", "reasoning_parser", "speculative_config",
@@ -199,6 +202,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def add_graph(sub) -> None:
     p = sub.add_parser("graph", help="print a model's graph lowered to meta-primitives; export it to ONNX")
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate text, or pool (embeddings, scores); auto: pooling for encoder, bare-backbone and "
+                        "classifier architectures (vLLM's --runner)")
     p.add_argument("--backend", default="auto", help="whose fused nodes to honour while lowering")
     p.add_argument("--onnx", default=None, metavar="PATH", help="write the lowered graph as ONNX (domain 'infer')")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from ..openmp import release_pool
 from .engine import LLMEngine
 from .outputs import RequestOutput
+from .pooling import PoolingRequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerStats
 
@@ -48,6 +49,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_pooled: int = 0  # pooling requests (embeddings, scores) served this step
 
 
 # Called on the engine thread after every loop iteration; the iteration stats
@@ -106,7 +108,7 @@ class AsyncLLM:
         refuses the request, EngineDeadError when the engine has failed.
         Closing the iterator before the last output aborts the request.
         """
-        if params.structured_outputs is not None:
+        if getattr(params, "structured_outputs", None) is not None:  # (a pooling request's PoolingParams has none)
             # Compiled on the grammar thread before the engine sees the request: a bad
             # grammar is the caller's ValueError, and the step loop never waits for one.
             # Shielded: a caller that gives up must not cancel a compile others share.
@@ -125,6 +127,14 @@ class AsyncLLM:
             self.abort(request_id)  # it may have been accepted meanwhile, with nobody left to read it
             raise
         return self._iterate(request_id, stream)
+
+    async def encode(self, request_id: str, prompt: str | dict, params) -> PoolingRequestOutput:
+        """A pooling model's result for one input (`PoolingEngine`): ValueError/TypeError when the
+        engine refuses it, EngineDeadError when the engine has failed."""
+        async for out in await self.generate(request_id, prompt, params):
+            if out.finished:
+                return out
+        raise EngineDeadError(f"request {request_id!r} ended without a result")
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -259,6 +269,11 @@ class AsyncLLM:
         if not t.scheduled:
             t.scheduled = True
             it.queue_times.append(max(0.0, start - t.arrival))
+        if isinstance(out, PoolingRequestOutput):  # one step, prompt only
+            it.num_prompt_tokens += len(out.prompt_token_ids)
+            it.num_pooled += 1
+            it.finished.append(FinishedRequestStats("stop", now - t.arrival, len(out.prompt_token_ids), 0))
+            return
         n = sum(len(c.token_ids) for c in out.outputs)
         new = n - t.num_tokens
         if new > 0:
@@ -320,6 +335,9 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     """A copy safe to read on the event loop while the engine keeps appending.
 
     The engine hands out its live logprobs lists; token_ids are copies already.
+    A pooling result is made once and never changed.
     """
+    if isinstance(out, PoolingRequestOutput):
+        return out
     outputs = [dataclasses.replace(c, logprobs=list(c.logprobs)) if c.logprobs is not None else c for c in out.outputs]
     return dataclasses.replace(out, outputs=outputs)

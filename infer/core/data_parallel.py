@@ -64,6 +64,13 @@ class DataParallelLLM:
         self._owner[request_id] = i
         return self._iterate(request_id, i, stream)
 
+    async def encode(self, request_id: str, prompt: str | dict, params) -> Any:
+        """A pooling request on the least loaded replica (`AsyncLLM.encode`)."""
+        async for out in await self.generate(request_id, prompt, params):
+            if out.finished:
+                return out
+        raise RuntimeError(f"request {request_id!r} ended without a result")
+
     async def _iterate(self, request_id: str, i: int, stream: AsyncIterator[RequestOutput]):
         try:
             async for out in stream:

@@ -129,6 +129,11 @@ class PoolingEngine:
         self.block_size = a.block_size if isinstance(a.block_size, int) else w.backend.preferred_block_size
         self.num_blocks = -(-self.token_budget // self.block_size) + self.max_num_seqs if w.runner.layers else 0
         self.executor.collective_rpc("allocate_kv", self.num_blocks, self.block_size)
+        # What the server reads of any engine (`server/models.py`): a pooling model has no chat
+        # template, adapters, sampling defaults or experts.
+        self.vocab_size, self.chat_template, self.generation_config = w.vocab_size, None, {}
+        self.lora = self.expert_load = None
+        self.dispatch_trace = w.dispatch_trace
         self.waiting: collections.deque[_Request] = collections.deque()
         self.num_pooled = 0
         self._refused: list[PoolingRequestOutput] = []

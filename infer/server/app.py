@@ -16,6 +16,7 @@ from .guard import install_accept_error_limiter
 from .lora import install_lora_routes
 from .metrics import Metrics
 from .models import ModelRegistry
+from .pooling import install_pooling_routes
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, TokenizeRequest
 from .security import APIKeyMiddleware, BodyLimitMiddleware
 
@@ -41,11 +42,13 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(body, models.get(body.model), raw)
+        return await create_completion(body, models.generating(body.model, "/v1/completions"), raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(body, models.get(body.model), raw)
+        return await create_chat_completion(body, models.generating(body.model, "/v1/chat/completions"), raw)
+
+    install_pooling_routes(app, models)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

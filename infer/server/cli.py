@@ -84,6 +84,7 @@ def build(args: argparse.Namespace):
     from ..core.async_engine import AsyncLLM
     from ..core.data_parallel import DataParallelLLM
     from ..core.engine import LLMEngine
+    from ..core.pooling import PoolingEngine, is_pooling
     from .app import create_app
     from .metrics import Metrics
     from .models import ModelRegistry, ServedModel
@@ -116,7 +117,8 @@ def build(args: argparse.Namespace):
     try:
         for model, name in _names(args):
             for i in range(dp):  # each replica its own engine (and its own ranks, on its own devices)
-                engine = LLMEngine(engine_args(args, model=model, show_progress=False, data_parallel_rank=i))
+                a = engine_args(args, model=model, show_progress=False, data_parallel_rank=i)
+                engine = PoolingEngine(a) if is_pooling(a) else LLMEngine(a)
                 if template is not None:
                     engine.chat_template = template
                 replicas.append(AsyncLLM(engine, [metrics.logger(name, engine.expert_load, engine=i)]))

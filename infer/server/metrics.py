@@ -64,6 +64,8 @@ TOTALS = (
 COUNTERS = (
     Family("prompt_tokens", "Prompt tokens prefilled.", lambda it: it.num_prompt_tokens),
     Family("generation_tokens", "Tokens generated.", lambda it: it.num_generation_tokens),
+    Family("pooling_requests", "Pooling requests served (embeddings, scores, classifications).",
+           lambda it: it.num_pooled),
 )
 # Observations of one step, seconds.
 HISTOGRAMS = (

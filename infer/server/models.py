@@ -169,6 +169,14 @@ class ModelRegistry:
             raise APIError(404, f"the model '{name}' does not exist; served: {served}", "model")
         return model
 
+    def generating(self, name: str | None, route: str) -> ServedModel | AdapterModel:
+        """`get`, for a route that generates text: a pooling model is a 400 naming its routes."""
+        model = self.get(name)
+        if getattr(model.engine, "task", None) is not None:  # a PoolingEngine
+            raise APIError(400, f"the model '{model.name}' is a pooling model ({model.engine.architecture}); it cannot "
+                                f"serve {route}: use /v1/embeddings, /v1/score, /v1/rerank or /classify", "model")
+        return model
+
     def add_adapter(self, base: ServedModel, lora) -> AdapterModel:
         if lora.lora_name in self.models or lora.lora_name in self.adapters:
             raise APIError(400, f"the name '{lora.lora_name}' is already served", "lora_name")

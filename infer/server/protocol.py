@@ -80,6 +80,12 @@ class RequestLimits:
             raise APIError(400, f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences exceed the server's "
                            f"limit of {self.max_sequences} per request (--max-sequences-per-request)", "n")
 
+    def check_pooling(self, num_inputs: int) -> None:
+        """Inputs of one embeddings, score or rerank request: each is a sequence in the batch."""
+        if num_inputs > self.max_sequences:
+            raise APIError(400, f"{num_inputs} inputs in one request exceed the server's limit of {self.max_sequences} "
+                           "(--max-sequences-per-request); send them in several requests", "input")
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
