@@ -226,8 +226,16 @@ def cmd_graph(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"infer graph: {exc}", file=sys.stderr)
         return 2
-    graph = reg.models[m.architecture](m.config)
+    from .core.executor.rank import pooling_runner
+    from .core.loader.pooling_config import read_pooling_config
+    from .core.models.pooling import build_pooling
+
     try:
+        if pooling_runner(args.runner, m.architecture):
+            method = read_pooling_config(m.source).method
+            graph = build_pooling({**m.config, "infer_pooling": {"method": method}})
+        else:
+            graph = reg.models[m.architecture](m.config)
         graph = shard_graph(graph, args.rank, args.tensor_parallel_size)
     except ValueError as exc:
         print(f"infer graph: {exc}", file=sys.stderr)

@@ -121,3 +121,18 @@ def test_matryoshka_dimensions_cut_then_normalise(models, tmp_path):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     assert _cosines(got, want).min() >= 0.99999
     assert "must be one of [16, 32, 64]" in llm.embed("x", PoolingParams(dimensions=10), use_tqdm=False)[0].error
+
+
+def test_encoder_and_classifier_programs_export_to_onnx(models, tmp_path, capsys):
+    import onnx
+
+    from infer.cli import main
+
+    for kind, arch, ops in (("embed", "bert", {"EncoderAttention", "LayerNorm", "Activation", "Pool"}),
+                            ("score", "xlm-roberta", {"EncoderAttention", "Pool", "Linear"})):
+        out = tmp_path / f"{arch}.onnx"
+        assert main(["graph", "--model", models(kind, arch), "--onnx", str(out)]) == 0
+        graph = onnx.load(str(out)).graph
+        assert ops <= {n.op_type for n in graph.node}
+        assert graph.output[0].name.startswith("pooled")
+        assert "Attention" not in {n.op_type for n in graph.node}  # an encoder has no paged attention

@@ -41,7 +41,7 @@ def to_onnx(program: Program, block_size: int = 16):
     dtype = TensorProto.FLOAT
     for name, shape in (("input_ids", ["T"]), ("positions", ["T"]), ("sample_rows", ["S"]),
                         ("query_start_loc", ["B+1"]), ("seq_lens", ["B"]), ("block_table", ["B", "max_blocks"]),
-                        ("slot_mapping", ["T"])):
+                        ("slot_mapping", ["T"]), ("token_type_ids", ["T"])):
         inputs.append(tensor(name, TensorProto.INT64, shape))
         version[name] = 0
     for p in g.params.values():
@@ -97,9 +97,13 @@ def to_onnx(program: Program, block_size: int = 16):
                 extra, outs = [read(cache), "slot_mapping"], [write(cache)]
             elif c.primitive == "attention":
                 extra = [read(f"kv_cache.{c.layer}")] + meta
+            elif c.primitive in ("encoder_attention", "pool"):  # within each sequence of the batch
+                extra = ["query_start_loc"]
             nodes.append(helper.make_node(_op_type(c.primitive), args + extra + params, outs, name=f"{c.node}/{i}",
                                           domain=DOMAIN, **attrs))
-    output = tensor(read("logits"), dtype, ["S", cfg.vocab_size])
+    pooled = next((c for c in reversed(calls) if "pooled" in c.outputs), None)  # a pooling model's result
+    output = (tensor(read("pooled"), dtype, list(pooled.shapes[pooled.outputs.index("pooled")])) if pooled
+              else tensor(read("logits"), dtype, ["S", cfg.vocab_size]))
     graph = helper.make_graph(nodes, f"infer_{g.architecture}", inputs, [output], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
                               producer_name="infer")

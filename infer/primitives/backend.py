@@ -148,6 +148,12 @@ class Backend(ABC):
         backend serves the checkpoint's `stored` dtype faster."""
         return loaded
 
+    def pooling_dtype(self, dtype: str) -> str:
+        """What ``dtype="auto"`` serves a pooling model (embeddings, scores) in, `dtype` being what
+        `auto_dtype` chose: a backend may go to 16 bits where it computes them natively (vLLM
+        serves float32 checkpoints in 16 bits); embeddings keep a cosine of ~0.9995 to float32."""
+        return dtype
+
     def keeps_quantized(self, dtype: str) -> bool:
         """Whether ``quantization="auto"`` keeps a checkpoint's quantized weights for activations in `dtype`.
 

@@ -67,6 +67,14 @@ class TorchBackend(TorchTensors):
             return "bfloat16"
         return loaded
 
+    def pooling_dtype(self, dtype: str) -> str:
+        # An encoder's batch is all GEMMs of many rows: oneDNN's bf16 GEMM on AVX512-BF16 runs
+        # them ~2x faster than float32 (benchmarks/pooling.py); generation keeps the checkpoint's
+        # dtype, where float32 decides greedy text.
+        if dtype == "float32" and self._native_kernels() and native.bf16_dot():
+            return "bfloat16"
+        return dtype
+
     def keeps_quantized(self, dtype: str) -> bool:
         # float32 on CPU: the native GEMVs are exact to float32 rounding and read a
         # quarter of the bytes (docs/quantization.md has the measured decode speeds).

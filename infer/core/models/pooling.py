@@ -59,17 +59,17 @@ def build_pooling(config: dict) -> Graph:
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     h = cfg.hidden_size
     if arch == "BertForSequenceClassification":  # BERT's pooler (dense + tanh on CLS), then the classifier
-        params = {"dense": g.param("pooler.dense", (h, h), "bert.pooler.dense.weight"),
-                  "dense_bias": g.param("pooler.dense_bias", (h,), "bert.pooler.dense.bias"),
-                  "out_proj": g.param("classifier", (labels, h), "classifier.weight"),
-                  "out_bias": g.param("classifier_bias", (labels,), "classifier.bias")}
+        params = {"dense": g.param("head.dense", (h, h), "bert.pooler.dense.weight"),
+                  "dense_bias": g.param("head.dense_bias", (h,), "bert.pooler.dense.bias"),
+                  "out_proj": g.param("head.out_proj", (labels, h), "classifier.weight"),
+                  "out_bias": g.param("head.out_bias", (labels,), "classifier.bias")}
     elif arch == "XLMRobertaForSequenceClassification":
-        params = {"dense": g.param("classifier.dense", (h, h), "classifier.dense.weight"),
-                  "dense_bias": g.param("classifier.dense_bias", (h,), "classifier.dense.bias"),
-                  "out_proj": g.param("classifier.out_proj", (labels, h), "classifier.out_proj.weight"),
-                  "out_bias": g.param("classifier.out_bias", (labels,), "classifier.out_proj.bias")}
+        params = {"dense": g.param("head.dense", (h, h), "classifier.dense.weight"),
+                  "dense_bias": g.param("head.dense_bias", (h,), "classifier.dense.bias"),
+                  "out_proj": g.param("head.out_proj", (labels, h), "classifier.out_proj.weight"),
+                  "out_bias": g.param("head.out_bias", (labels,), "classifier.out_proj.bias")}
     else:  # a decoder's score head on the last token
-        params = {"out_proj": g.param("score", (labels, h), "score.weight")}
+        params = {"out_proj": g.param("head.out_proj", (labels, h), "score.weight")}
     g.add("classifier", "classifier", ["pooled_hidden"], ["pooled"], params, act="tanh")
     return g
 
