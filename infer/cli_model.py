@@ -142,6 +142,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     t0 = time.time()
     try:
+        from .core.pooling import is_pooling
+
+        if is_pooling(engine_args(args)):
+            return _run_pooling(args, prompt, t0)
         # One request: a KV pool for one full context, not max_num_seqs of them.
         engine = LLMEngine(engine_args(args, max_num_seqs=1, show_progress=None, trace_dispatch=args.trace_dispatch))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
@@ -195,6 +199,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     if engine.dispatch_trace is not None:
         print(f"dispatch on backend '{engine.backend.name}' (node, call, implementation, calls):", file=sys.stderr)
         print(engine.dispatch_trace.format(), file=sys.stderr)
+    return 0
+
+
+def _run_pooling(args: argparse.Namespace, prompt: str, t0: float) -> int:
+    """`infer run` on a pooling model: the prompt's embedding (or a classifier's scores) as JSON on stdout."""
+    import json
+
+    from .core.pooling import PoolingEngine
+
+    engine = PoolingEngine(engine_args(args, max_num_seqs=1, show_progress=None, trace_dispatch=args.trace_dispatch))
+    load_s = time.time() - t0
+    try:
+        engine.add_request("run", prompt)
+    except ValueError as exc:
+        print(f"infer run: {exc}", file=sys.stderr)
+        return 2
+    start = time.time()
+    (out,) = engine.step()
+    print(json.dumps([round(float(v), 7) for v in out.outputs.data]))
+    what = "scores" if engine.classifier else f"embedding of {len(out.outputs.data)} dims"
+    print(f"[{engine.backend.name}, {engine.dtype}] load {load_s:.1f} s | {engine.architecture}: {what} of "
+          f"{len(out.prompt_token_ids)} tokens in {(time.time() - start) * 1000:.0f} ms", file=sys.stderr)
     return 0
 
 

@@ -136,3 +136,28 @@ def test_encoder_and_classifier_programs_export_to_onnx(models, tmp_path, capsys
         assert ops <= {n.op_type for n in graph.node}
         assert graph.output[0].name.startswith("pooled")
         assert "Attention" not in {n.op_type for n in graph.node}  # an encoder has no paged attention
+
+
+def test_encoders_allocate_no_kv_cache_and_decoders_only_one_steps_scratch(models):
+    enc = LLM(models("embed", "bert", "mean", True), backend="torch", dtype="float32")
+    assert enc.engine.worker.runner.kv_caches == [] and enc.engine.num_blocks == 0
+    dec = LLM(models("embed", "qwen3", "lasttoken", True), backend="torch", dtype="float32",
+              max_num_batched_tokens=256, max_num_seqs=4)
+    bs = dec.engine.block_size
+    assert dec.engine.num_blocks == -(-256 // bs) + 4  # one step's tokens, a partial block per input
+    assert len(dec.engine.worker.runner.kv_caches) == 2  # its layers' pages, no more
+    dec.embed(TEXTS, use_tqdm=False)
+    assert not dec.engine.has_unfinished_requests() and not dec.engine.waiting
+
+
+def test_infer_run_prints_a_pooling_models_embedding(models, capsys):
+    import json
+
+    from infer.cli import main
+
+    path = models("embed", "bert", "mean", True)
+    assert main(["run", "--model", path, "--backend", "torch", "--dtype", "float32", TEXTS[0]]) == 0
+    out, err = capsys.readouterr()
+    want = SentenceTransformer(path, device="cpu").encode([TEXTS[0]])[0]
+    np.testing.assert_allclose(json.loads(out.strip().splitlines()[-1]), want, atol=2e-5)
+    assert "embedding of 64 dims" in err

@@ -73,6 +73,9 @@ class LLMEngine:
 
     def _init(self, a: EngineArgs) -> None:
         w = self.worker = self.executor.worker  # this process's rank: it samples
+        if w.pooling is not None:
+            raise ValueError(f"{a.model} is a pooling model ({w.graph.architecture}): serve it with PoolingEngine "
+                             "(LLM(...).embed / score / classify, or infer serve)")
         m = w.model
         self.backend, self.dtype, self.vocab_size = w.backend, w.dtype, w.vocab_size
         self.max_model_len = w.max_model_len
