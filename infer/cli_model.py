@@ -257,7 +257,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
     from .core.models.pooling import build_pooling
 
     try:
-        if pooling_runner(args.runner, m.architecture):
+        if pooling_runner(args.runner, m.architecture, m.source):
             method = read_pooling_config(m.source).method
             graph = build_pooling({**m.config, "infer_pooling": {"method": method}})
         else:

@@ -161,3 +161,20 @@ def test_infer_run_prints_a_pooling_models_embedding(models, capsys):
     want = SentenceTransformer(path, device="cpu").encode([TEXTS[0]])[0]
     np.testing.assert_allclose(json.loads(out.strip().splitlines()[-1]), want, atol=2e-5)
     assert "embedding of 64 dims" in err
+
+
+def test_a_causal_lm_saved_by_sentence_transformers_is_served_as_an_embedding_model(models, tmp_path):
+    """Qwen3-Embedding's layout: architectures names the causal LM, modules.json says how to pool."""
+    import json
+    import shutil
+
+    path = tmp_path / "qwen3-embedding"
+    shutil.copytree(models("embed", "qwen3", "lasttoken", True), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
+    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS[:4])
+    got = [o.outputs.embedding for o in LLM(str(path), backend="torch", dtype="float32").embed(TEXTS[:4],
+                                                                                              use_tqdm=False)]
+    assert _cosines(got, want).min() >= 0.99999
+    with pytest.raises(KeyError, match="checkpoint lacks lm_head.weight"):
+        LLM(str(path), backend="torch", runner="generate")  # no head to generate with: said, not garbage

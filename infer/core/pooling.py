@@ -289,5 +289,6 @@ def is_pooling(a: EngineArgs) -> bool:
     from .executor.rank import pooling_runner
     from .loader.load import open_checkpoint
 
-    names = open_checkpoint(a.model).config.get("architectures") or []
-    return any(pooling_runner("auto", n) for n in names)
+    ckpt = open_checkpoint(a.model)
+    names = ckpt.config.get("architectures") or []
+    return any(pooling_runner("auto", n, ckpt.path) for n in names)

@@ -47,7 +47,7 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     reg = registry()
     m = load_model(a.model, load_weights=False, load_tokenizer=load_tokenizer, supported_architectures=reg.models)
     name = a.dtype
-    pooling = pooling_runner(a.runner, m.architecture)
+    pooling = pooling_runner(a.runner, m.architecture, m.source)
     if a.dtype == "auto":
         stored = m.config.get("dtype") or m.config.get("torch_dtype")
         name = backend.auto_dtype(str(stored).removeprefix("torch.") if stored else None, str(m.dtype))
@@ -67,9 +67,9 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
                              "(tensor/pipeline parallelism and --enable-lora are for generating models)")
         pooling = read_pooling_config(m.source)
         graph = build_pooling({**m.config, "infer_pooling": {"method": pooling.method}})
-        align_sources(graph, m.weight_names)
     else:
         graph = reg.models[m.architecture](m.config)
+    align_sources(graph, m.weight_names)  # a bare backbone saved without its class's prefix
     targets = lora_targets(graph) if a.enable_lora else {}
     if dist is not None:
         if dist.config.pipeline_parallel_size > 1:
@@ -108,14 +108,20 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     return ModelParts(m, graph, program, runner, name, max_model_len, targets, pooling or None)
 
 
-def pooling_runner(runner: str, architecture: str) -> bool:
-    """Whether `architecture` is served as a pooling model under `runner` (EngineArgs.runner)."""
+def pooling_runner(runner: str, architecture: str, source=None) -> bool:
+    """Whether `architecture` (of the checkpoint at `source`) is served as a pooling model under
+    `runner` (EngineArgs.runner). 'auto' also pools a causal LM saved by sentence-transformers
+    (a Pooling module in its modules.json: Qwen3-Embedding's way)."""
     if runner == "pooling":
         return True
     if architecture in POOLING_ARCHITECTURES:
         if runner == "generate":
             raise ValueError(f"{architecture} has no language-model head to generate with; serve it with "
                              "--runner pooling (embeddings, scores)")
+        return True
+    if runner == "auto" and source is not None and read_pooling_config(source).method is not None:
+        logging.getLogger("infer").info("%s: a sentence-transformers embedding model (modules.json): serving it as "
+                                        "a pooling model (--runner generate to generate instead)", architecture)
         return True
     return False
 
