@@ -222,31 +222,31 @@ def check_embedding(ids, table) -> None:
     _check_float("embedding", "table", table)
 
 
-def check_rms_norm(x, weight, eps, residual=None) -> None:
-    t, h = _check_rank("rms_norm", "x", x, 2, "[T, H]")
-    dt = _check_float("rms_norm", "x", x)
-    if _check_rank("rms_norm", "weight", weight, 1, "[H]") != (h,):
-        raise PrimitiveArgumentError("rms_norm", "weight", f"must be [{h}], got {_shape(weight)}")
+def _check_norm(prim: str, x, eps, residual, **weights) -> None:
+    """rms_norm's and layer_norm's arguments: x [T, H], each weight [H] (or None), eps, a residual like x."""
+    t, h = _check_rank(prim, "x", x, 2, "[T, H]")
+    dt = _check_float(prim, "x", x)
+    for name, w in weights.items():
+        if w is not None and _check_rank(prim, name, w, 1, "[H]") != (h,):
+            raise PrimitiveArgumentError(prim, name, f"must be [{h}], got {_shape(w)}")
     if not eps > 0:
-        raise PrimitiveArgumentError("rms_norm", "eps", f"must be > 0, got {eps}")
+        raise PrimitiveArgumentError(prim, "eps", f"must be > 0, got {eps}")
     if residual is not None:
         if _shape(residual) != (t, h):
-            raise PrimitiveArgumentError("rms_norm", "residual", f"must be [{t}, {h}] like x, got {_shape(residual)}")
-        _check_same_dtype("rms_norm", "residual", residual, dt)
+            raise PrimitiveArgumentError(prim, "residual", f"must be [{t}, {h}] like x, got {_shape(residual)}")
+        _check_same_dtype(prim, "residual", residual, dt)
+
+
+def check_rms_norm(x, weight, eps, residual=None) -> None:
+    if weight is None:
+        raise PrimitiveArgumentError("rms_norm", "weight", "must be an array [H], got None")
+    _check_norm("rms_norm", x, eps, residual, weight=weight)
 
 
 def check_layer_norm(x, weight, bias, eps, residual=None) -> None:
-    t, h = _check_rank("layer_norm", "x", x, 2, "[T, H]")
-    dt = _check_float("layer_norm", "x", x)
-    for name, w in (("weight", weight), ("bias", bias)):
-        if w is not None and _check_rank("layer_norm", name, w, 1, "[H]") != (h,):
-            raise PrimitiveArgumentError("layer_norm", name, f"must be [{h}], got {_shape(w)}")
-    if not eps > 0:
-        raise PrimitiveArgumentError("layer_norm", "eps", f"must be > 0, got {eps}")
-    if residual is not None:
-        if _shape(residual) != (t, h):
-            raise PrimitiveArgumentError("layer_norm", "residual", f"must be [{t}, {h}] like x, got {_shape(residual)}")
-        _check_same_dtype("layer_norm", "residual", residual, dt)
+    if weight is None:
+        raise PrimitiveArgumentError("layer_norm", "weight", "must be an array [H], got None")
+    _check_norm("layer_norm", x, eps, residual, weight=weight, bias=bias)
 
 
 def check_activation(x, kind) -> None:

@@ -82,8 +82,13 @@ def call_embedding(h: Harness, x: dict) -> None:
 
 
 def call_rms_norm(h: Harness, x: dict) -> None:
-    xx, w = h.f(x["x"]), h.f(x["weight"])
-    out = h.call("rms_norm", x=xx, weight=w, eps=x["eps"], residual=h.f(x["residual"]))
+    _norm(h, x, "rms_norm")
+
+
+def _norm(h: Harness, x: dict, primitive: str) -> None:
+    """rms_norm or layer_norm: y, and with a residual the sum it returns too."""
+    xx, extra = h.f(x["x"]), {"bias": h.f(x["bias"])} if primitive == "layer_norm" else {}
+    out = h.call(primitive, x=xx, weight=h.f(x["weight"]), eps=x["eps"], residual=h.f(x["residual"]), **extra)
     if x["residual"] is None:
         h.out("out", out, like=xx)
     else:
@@ -115,14 +120,7 @@ def call_act_and_mul(h: Harness, x: dict) -> None:
 
 
 def call_layer_norm(h: Harness, x: dict) -> None:
-    xx, w, b = h.f(x["x"]), h.f(x["weight"]), h.f(x["bias"])
-    out = h.call("layer_norm", x=xx, weight=w, bias=b, eps=x["eps"], residual=h.f(x["residual"]))
-    if x["residual"] is None:
-        h.out("out", out, like=xx)
-    else:
-        y, residual = out
-        h.out("out", y, like=xx)
-        h.out("residual", residual, like=xx)
+    _norm(h, x, "layer_norm")
 
 
 def call_activation(h: Harness, x: dict) -> None:
