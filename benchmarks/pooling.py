@@ -12,7 +12,7 @@ sentences of 6 to 254 words (8 to 256 tokens with the tokenizer's specials); rer
 
 Rows, each in a fresh process (torch imported first, the same thread count): sentence-
 transformers' ``encode`` / ``CrossEncoder.predict`` at its best batch size (each of
-`--batch-sizes` timed on the first 200 inputs, the best then on all), and infer's
+`--batch-sizes` timed on the first 100 inputs, the best then on all), and infer's
 ``LLM.embed`` / ``LLM.score`` with default flags, and with ``--dtype float32`` (the
 checkpoints' dtype). Targets (issue 40): default-flag infer >= 1.5x sentence-transformers.
 """
@@ -30,6 +30,7 @@ from fresh import run_child, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+PEERS = ("sentence-transformers", "infer", "infer-float32")
 MODELS = {
     "bert-base": ("embed", "bert", "mean", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                                 intermediate_size=3072, max_position_embeddings=512)),
@@ -64,7 +65,7 @@ def child(name: str, path: str, peer: str, n: int, batch_sizes: list[int]) -> di
         trial = {}
         for bs in batch_sizes:
             start = time.perf_counter()
-            run(data[:200], bs)
+            run(data[:100], bs)
             trial[bs] = time.perf_counter() - start
         best = min(trial, key=trial.get)
         start = time.perf_counter()
@@ -91,7 +92,8 @@ def main() -> None:
     ap.add_argument("--child", nargs=5, metavar=("MODEL", "PATH", "PEER", "N", "BATCHES"))
     ap.add_argument("--sentences", type=int, default=2000)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--batch-sizes", default="16,32,64,128")
+    ap.add_argument("--batch-sizes", default="1,4,8,16,32")
+    ap.add_argument("--peers", default=",".join(PEERS), help="which rows to run")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.child:
@@ -109,14 +111,14 @@ def main() -> None:
             path = (save_embedding_model(Path(tmp) / name, arch, pooling, True, **cfg) if kind == "embed"
                     else save_cross_encoder(Path(tmp) / name, arch, **cfg))
             results = {}
-            for peer in ("sentence-transformers", "infer", "infer-float32"):
+            for peer in a.peers.split(","):
                 results[peer] = run_child(__file__, [name, path, peer, str(a.sentences), a.batch_sizes])
                 r = results[peer]
                 print(f"{name:18s} {peer:22s} {a.sentences / r['seconds']:8.2f} inputs/s "
                       f"({r['seconds']:.1f} s{', batch ' + str(r['batch_size']) if 'batch_size' in r else ''}"
                       f"{', ' + r['dtype'] if 'dtype' in r else ''})", flush=True)
-            base = results["sentence-transformers"]["seconds"]
-            for peer in ("infer", "infer-float32"):
+            base = results.get("sentence-transformers", {}).get("seconds")
+            for peer in [p for p in results if p != "sentence-transformers" and base]:
                 print(f"{name:18s} {peer} / sentence-transformers: {base / results[peer]['seconds']:.2f}x", flush=True)
             rows.append({"model": name, "kind": kind, "inputs": a.sentences, **results})
     save_json(a.json, rows=rows, target="infer (default flags) >= 1.5x sentence-transformers")

@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
 
 from infer import LLM  # noqa: E402
 from infer.core.pooling import PoolingParams  # noqa: E402
-from tiny_pooling import save_cross_encoder, save_embedding_model, sentences  # noqa: E402
+from tiny_pooling import save_cross_encoder, save_embedding_model, sentences, st_encode, st_predict  # noqa: E402
 
 TEXTS = sentences(12, seed=3, min_words=1, max_words=60)
 
@@ -42,7 +41,7 @@ def models(tmp_path_factory):
     ("xlm-roberta", "cls", False), ("qwen3", "lasttoken", True), ("qwen2", "mean", True)])
 def test_embeddings_equal_sentence_transformers(models, arch, pooling, normalize):
     path = models("embed", arch, pooling, normalize)
-    want = SentenceTransformer(path, device="cpu").encode(TEXTS, batch_size=4)
+    want = st_encode(path, TEXTS, batch_size=4)
     llm = LLM(path, backend="torch", dtype="float32")
     outs = llm.embed(TEXTS, use_tqdm=False)
     got = np.array([o.outputs.embedding for o in outs])
@@ -55,7 +54,7 @@ def test_embeddings_equal_sentence_transformers(models, arch, pooling, normalize
 
 def test_the_reference_backend_gives_the_same_embeddings(models):
     path = models("embed", "bert", "mean", True)
-    want = SentenceTransformer(path, device="cpu").encode(TEXTS[:4])
+    want = st_encode(path, TEXTS[:4])
     got = [o.outputs.embedding for o in LLM(path, backend="cpu_ref", dtype="float32").embed(TEXTS[:4], use_tqdm=False)]
     assert _cosines(got, want).min() >= 0.99999
 
@@ -64,7 +63,7 @@ def test_the_reference_backend_gives_the_same_embeddings(models):
 def test_rerank_scores_equal_cross_encoder_predict(models, arch):
     path = models("score", arch)
     query, docs = TEXTS[0], TEXTS[1:9]
-    want = CrossEncoder(path, device="cpu").predict([(query, d) for d in docs])
+    want = st_predict(path, [(query, d) for d in docs])
     llm = LLM(path, backend="torch", dtype="float32")
     got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -82,8 +81,8 @@ def test_batching_with_other_lengths_changes_nothing(models):
 
 def test_embedding_models_score_by_cosine(models):
     path = models("embed", "bert", "mean", True)
-    st = SentenceTransformer(path, device="cpu")
-    a, b = st.encode([TEXTS[0]]), st.encode(TEXTS[1:4])
+    both = st_encode(path, TEXTS[:4])
+    a, b = both[:1], both[1:]
     want = (b @ a[0]) / np.linalg.norm(b, axis=1) / np.linalg.norm(a[0])
     got = [o.outputs.score for o in LLM(path, backend="torch", dtype="float32").score(TEXTS[0], TEXTS[1:4],
                                                                                        use_tqdm=False)]
@@ -115,7 +114,8 @@ def test_matryoshka_dimensions_cut_then_normalise(models, tmp_path):
     shutil.copytree(models("embed", "bert", "mean", True), path)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32, 64]}))
-    want = SentenceTransformer(str(path), device="cpu", truncate_dim=16).encode(TEXTS[:3])
+    want = st_encode(str(path), TEXTS[:3], truncate_dim=16)
+    assert want.shape == (3, 16)
     llm = LLM(str(path), backend="torch", dtype="float32")
     got = [o.outputs.embedding for o in llm.embed(TEXTS[:3], PoolingParams(dimensions=16), use_tqdm=False)]
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
@@ -158,7 +158,7 @@ def test_infer_run_prints_a_pooling_models_embedding(models, capsys):
     path = models("embed", "bert", "mean", True)
     assert main(["run", "--model", path, "--backend", "torch", "--dtype", "float32", TEXTS[0]]) == 0
     out, err = capsys.readouterr()
-    want = SentenceTransformer(path, device="cpu").encode([TEXTS[0]])[0]
+    want = st_encode(path, [TEXTS[0]])[0]
     np.testing.assert_allclose(json.loads(out.strip().splitlines()[-1]), want, atol=2e-5)
     assert "embedding of 64 dims" in err
 
@@ -172,7 +172,7 @@ def test_a_causal_lm_saved_by_sentence_transformers_is_served_as_an_embedding_mo
     shutil.copytree(models("embed", "qwen3", "lasttoken", True), path)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
-    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS[:4])
+    want = st_encode(str(path), TEXTS[:4])
     got = [o.outputs.embedding for o in LLM(str(path), backend="torch", dtype="float32").embed(TEXTS[:4],
                                                                                               use_tqdm=False)]
     assert _cosines(got, want).min() >= 0.99999

@@ -11,10 +11,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from server_harness import Server, make_tiny_model_dir, metric
-from tiny_pooling import save_cross_encoder, save_embedding_model, sentences
+from tiny_pooling import save_cross_encoder, save_embedding_model, sentences, st_encode, st_predict
 
 TEXTS = sentences(10, seed=5, min_words=2, max_words=50)
 
@@ -37,7 +36,7 @@ def _client(srv: Server) -> openai.OpenAI:
 
 def test_openai_client_embeddings_equal_sentence_transformers(served):
     srv, embed, _ = served
-    want = SentenceTransformer(embed, device="cpu").encode(TEXTS)
+    want = st_encode(embed, TEXTS)
     client = _client(srv)
     # Not given: the client asks for base64 and decodes it itself; asked for base64, it hands back the text.
     for fmt in (None, "float", "base64"):
@@ -57,7 +56,7 @@ def test_openai_client_embeddings_equal_sentence_transformers(served):
 def test_embeddings_beside_generation_change_nothing(served):
     """Embedding requests racing each other and chat completions to the other model."""
     srv, embed, _ = served
-    want = SentenceTransformer(embed, device="cpu").encode(TEXTS)
+    want = st_encode(embed, TEXTS)
     client = _client(srv)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         chats = [pool.submit(client.completions.create, model="chat", prompt="Once upon", max_tokens=8)
@@ -72,7 +71,7 @@ def test_embeddings_beside_generation_change_nothing(served):
 def test_rerank_and_score_equal_cross_encoder_predict(served):
     srv, _, rerank = served
     query, docs = TEXTS[0], TEXTS[1:7]
-    want = CrossEncoder(rerank, device="cpu").predict([(query, d) for d in docs])
+    want = st_predict(rerank, [(query, d) for d in docs])
     with srv.client() as c:
         for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
             r = c.post(path, json={"model": "rerank", "query": query, "documents": docs, "top_n": 3})

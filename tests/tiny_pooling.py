@@ -104,9 +104,86 @@ def _build(arch: str, head: bool, num_labels: int = 1, **overrides):
     return model.eval(), tok
 
 
+# sentence-transformers imports scikit-learn, which loads its own OpenMP runtime beside torch's: a
+# test process must not, or the native kernels' single-runtime check (and their use) breaks. Everything
+# that imports it runs in a child process.
+_CHILD = """
+import json, sys, traceback
+import numpy as np
+sys.path.insert(0, {here!r})
+import tiny_pooling
+for line in sys.stdin:
+    job = json.loads(line)
+    try:
+        result = getattr(tiny_pooling, job["fn"])(*job["args"], **job["kwargs"])
+        if not isinstance(result, str):
+            np.save(job["out"], np.asarray(result, np.float32))
+            result = None
+        reply = {{"result": result}}
+    except Exception:
+        reply = {{"error": traceback.format_exc()}}
+    print(json.dumps(reply), flush=True)
+"""
+_worker = None  # one child per test process, kept for every call (importing sentence-transformers takes seconds)
+
+
+def _child(fn: str, *args, **kwargs):
+    import atexit
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    global _worker
+    if _worker is None or _worker.poll() is not None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        _worker = subprocess.Popen([sys.executable, "-c", _CHILD.format(here=here)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        atexit.register(_worker.kill)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.npy")
+        _worker.stdin.write(json.dumps({"fn": fn, "args": args, "kwargs": kwargs, "out": out}) + "\n")
+        _worker.stdin.flush()
+        line = _worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{fn}: the sentence-transformers child process died")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{fn} failed in the child process:\n{reply['error']}")
+        return np.load(out) if reply["result"] is None else reply["result"]
+
+
 def save_embedding_model(path, arch: str, pooling: str = "mean", normalize: bool = True, **config_overrides) -> str:
     """A SentenceTransformer (Transformer, Pooling(`pooling`), Normalize if `normalize`) of a random
-    `arch` base model ("bert", "xlm-roberta", "qwen3", "qwen2") saved to `path`."""
+    `arch` base model ("bert", "xlm-roberta", "qwen3", "qwen2") saved to `path` (in a child process)."""
+    return _child("_save_embedding_model", str(path), arch, pooling, normalize, **config_overrides)
+
+
+def st_encode(path, texts: list[str], batch_size: int = 32, **init) -> "np.ndarray":
+    """sentence-transformers' own `SentenceTransformer(path, **init).encode(texts)`, in a child process."""
+    return _child("_st_encode", str(path), list(texts), batch_size, **init)
+
+
+def st_predict(path, pairs: list[tuple[str, str]]) -> "np.ndarray":
+    """sentence-transformers' own `CrossEncoder(path).predict(pairs)`, in a child process."""
+    return _child("_st_predict", str(path), [list(p) for p in pairs])
+
+
+def _st_encode(path: str, texts: list[str], batch_size: int, **init):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(path, device="cpu", **init).encode(texts, batch_size=batch_size)
+
+
+def _st_predict(path: str, pairs: list[list[str]]):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(path, device="cpu").predict([tuple(p) for p in pairs])
+
+
+def _save_embedding_model(path: str, arch: str, pooling: str, normalize: bool, **config_overrides) -> str:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
