@@ -374,7 +374,7 @@ class ModelRunner:
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """A step's host metadata on the device, with the plan of the backend that serves this model's attention
         (an encoder, which has no paged attention, gets the arrays alone)."""
-        if not self.attention_key:
+        if not self.layers:
             return self.backend.prepare_metadata(meta)
         return self.ops.prepare_metadata(meta, **self.attention_key)
 
