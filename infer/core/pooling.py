@@ -122,8 +122,6 @@ class PoolingEngine:
         self.token_types = any(n.inputs == ("token_type_ids",) for n in w.graph.nodes)
         self.matryoshka = raw.get("matryoshka_dimensions") or ([] if raw.get("is_matryoshka") else None)
         self.max_num_seqs, self.token_budget = a.max_num_seqs, a.batched_tokens()
-        if a.enable_chunked_prefill and a.max_num_batched_tokens is not None and a.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
         # A decoder's attention is paged: a scratch pool of one step's tokens, each request its own
         # blocks from the start of it every step (nothing is kept between steps).
         self.block_size = a.block_size if isinstance(a.block_size, int) else w.backend.preferred_block_size
@@ -135,8 +133,6 @@ class PoolingEngine:
         self.lora = self.expert_load = None
         self.dispatch_trace = w.dispatch_trace
         self.waiting: collections.deque[_Request] = collections.deque()
-        self.num_pooled = 0
-        self._refused: list[PoolingRequestOutput] = []
 
     @property
     def task(self) -> str:
@@ -237,7 +233,6 @@ class PoolingEngine:
         if not batch:
             return []
         pooled = self.executor.collective_rpc("execute_pooling", self._inputs(batch))
-        self.num_pooled += len(batch)
         return [PoolingRequestOutput(r.request_id, r.ids, PoolingOutput(self._finish(row, r.params)), True, r.prompt)
                 for r, row in zip(batch, np.asarray(pooled, dtype=np.float32))]
 

@@ -212,10 +212,10 @@ async def _run(model: ServedModel, raw: Request, inputs: list[str | dict], param
     if model.cut_short:
         raise APIError(503, "the server is shutting down")
     rid = f"pool-{uuid.uuid4().hex}"
-    prompts = [await model.off_loop(_tokenized, model, x) for x in inputs]
+    prompts = await model.off_loop(lambda: [_tokenized(model, x) for x in inputs])  # one hop for all
     tasks = [asyncio.create_task(model.llm.encode(f"{rid}-{i}", p, params)) for i, p in enumerate(prompts)]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in tasks:
             if t.done() and t.exception() is not None:
                 raise t.exception()
