@@ -145,7 +145,7 @@ def test_a_worker_rank_runs_the_drivers_calls_and_stops_on_stop(monkeypatch):
 
     class Dist:
         def __init__(self, messages):
-            self.messages, self.closed = list(messages), False
+            self.messages, self.closed, self.met = list(messages), False, False
             self.config, self.rank = SimpleNamespace(world_size=2), 1
 
         def check_agreement(self, fingerprint):
@@ -153,6 +153,9 @@ def test_a_worker_rank_runs_the_drivers_calls_and_stops_on_stop(monkeypatch):
 
         def broadcast(self, _):
             return self.messages.pop(0)
+
+        def meet(self):  # every rank waits for the others before leaving
+            self.met = True
 
         def close(self):
             self.closed = True
@@ -174,7 +177,7 @@ def test_a_worker_rank_runs_the_drivers_calls_and_stops_on_stop(monkeypatch):
     worker.run(spec)
     # A rank's tier file is its own: the path gets the rank.
     assert calls == [("kv", 4, 16), ("kv", 4, 16), ("tier", 8, "/x/tier.rank1"), ("release",)]
-    assert dist.closed and dist.messages == [("allocate_kv", (1, 1))]
+    assert dist.met and dist.closed and dist.messages == [("allocate_kv", (1, 1))]
     dist = Dist([("bogus", ())])
     monkeypatch.setattr(distributed, "start", lambda *a, **k: dist)
     with pytest.raises(AttributeError, match="bogus"):

@@ -85,6 +85,11 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple = ()
+    # Vision-language models (core/multimodal.py): at most this many items of each modality per
+    # prompt (vLLM's --limit-mm-per-prompt, e.g. {"image": 2}); the encoder output cache's size in
+    # feature rows (vLLM sizes it by the token budget the same way).
+    limit_mm_per_prompt: dict | None = None
+    encoder_cache_rows: int = 16384
     # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
     trace_dispatch: bool = False
     # Distributed serving (core/distributed.py, docs/distributed.md).
@@ -123,6 +128,11 @@ class EngineArgs:
                                  f"{' (or auto)' if name == 'block_size' else ''}; got {value!r}")
         if self.cuda_graph_sizes is not None:
             graph_batch_sizes(self.max_num_seqs, self.cuda_graph_sizes)  # raises on a bad size
+        for kind, n in (self.limit_mm_per_prompt or {}).items():
+            if kind != "image":
+                raise ValueError(f"limit_mm_per_prompt: only 'image' inputs are supported, got {kind!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {n!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):

@@ -223,6 +223,10 @@ class BlockManager:
             i = len(hashes)
             lora = getattr(request, "lora_request", None)
             parent = hashes[-1] if hashes else root_hash(request.cache_salt, lora.cache_key if lora else None)
+            # The images whose placeholders this block holds: equal tokens, different pictures.
+            images = [it.hash for it in getattr(request, "mm_items", ()) if it.offset < (i + 1) * bs and it.end > i * bs]
+            if images:
+                parent = hashlib.sha256(b"infer-kv-images:" + parent + b"".join(images)).digest()
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[:num_full_blocks]
 

@@ -106,6 +106,7 @@ class StepInput:
     block_copies: tuple[tuple[int, int], ...] = ()
     tier_ops: tuple = ()  # kv_tier.TierOp copies to and from the host tier, before the block copies
     lora_indices: np.ndarray | None = None  # [T] each token's LoRA slot (0: none), with LoRA enabled
+    images: tuple = ()  # multimodal.ImageSlice: the image rows of the step's tokens (a VLM)
 
 
 @dataclass
@@ -316,6 +317,19 @@ class DistributedState:
                                f"rank 0 runs {({k: every[0][1].get(k) for k in keys})}; start every rank with the "
                                "same model and flags")
 
+    def meet(self) -> None:
+        """Every rank of an mp or Ray job, once the stop message has reached it: wait for the
+        others before leaving the process group. Without it the driver tore down its side while
+        a worker on another node still had the stop message (or a forwarded copy of it) on the
+        wire, and that worker died of SIGABRT at exit ('terminate called without an active
+        exception', 1 CI run of a TP=3 job over three loopback nodes)."""
+        import torch.distributed as dist
+
+        try:
+            dist.barrier(group=self.control_group)
+        except Exception as exc:  # noqa: BLE001 (a dead peer: leave anyway)
+            log.warning("ranks did not meet before leaving the process group: %s", exc)
+
     def close(self, timeout: float = 30.0) -> None:
         """Tell the workers to stop (driver), wait for them, leave the process group."""
         if self._closed:
@@ -328,6 +342,8 @@ class DistributedState:
                 self.broadcast(("stop", ()))
             except Exception as exc:  # noqa: BLE001 (a dead worker: nothing to tell)
                 log.warning("could not tell the workers to stop: %s", exc)
+            else:
+                self.meet()
         deadline = time.monotonic() + timeout
         for p in self.workers:
             try:

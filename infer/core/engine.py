@@ -24,6 +24,7 @@ from .distributed import StepInput
 from .executor import executor as executors
 from .executor.sampler import ModelRunnerOutput, SamplingInput
 from .lora import LoRAManager, LoRARequest, parse_lora_modules
+from .multimodal import MultiModalProcessor, step_images
 from .outputs import RequestOutput
 from .processor import InputProcessor, OutputProcessor, compile_failure
 from .request import Request, RequestStatus, SeqId
@@ -121,6 +122,11 @@ class LLMEngine:
                                             self.eos_token_ids)
         self.input = InputProcessor(self.tokenizer, self.no_tokenizer, self.vocab_size, self.max_model_len,
                                     self.structured)
+        if w.graph.encoder is not None:  # a VLM: images in prompts, by the checkpoint's processor
+            spec = w.graph.encoder.encoder_inputs
+            self.input.mm = MultiModalProcessor(m.source, w.graph.image_token_id,
+                                                spec["rows_per_image"] - spec["drop_class"],
+                                                (a.limit_mm_per_prompt or {}).get("image"))
         self.output = OutputProcessor(self.tokenizer, self.reasoning, a.seed)
         self._in_flight: list[_Launched] = []  # pipeline: steps started, not yet sampled
         # Requests whose grammar is still compiling: (state, first request, compile future).
@@ -162,7 +168,7 @@ class LLMEngine:
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
         req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
-                      eos_token_ids=self.eos_token_ids, lora_request=lora_request)
+                      eos_token_ids=self.eos_token_ids, lora_request=lora_request, mm_items=tuple(self.input.items))
         self.output.states[request_id] = state
         if lora_request is not None:  # held in host memory until the request ends
             self.lora.acquire(lora_request)
@@ -273,7 +279,7 @@ class LLMEngine:
         mi = out.model_input()
         plan = self._plan(out, mi)
         step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, mi.attn_metadata, tuple(out.block_copies),
-                         tuple(out.tier_ops), self._lora_indices(out))
+                         tuple(out.tier_ops), self._lora_indices(out), step_images(out.scheduled))
         return _Launched(out, plan, self.executor.execute_model(step, plan.sampling, non_block))
 
     def _plan(self, out: SchedulerOutput, mi) -> _Plan:

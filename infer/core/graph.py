@@ -36,6 +36,10 @@ NODE_KINDS: dict[str, tuple[str, ...]] = {
     "ffn": ("up_proj", "up_bias", "down_proj", "down_bias"),  # ungated MLP: act(x @ up) @ down
     "pool": (),  # one row per sequence (attrs["method"]): the output ``pooled`` [B, H]
     "classifier": ("dense", "dense_bias", "out_proj", "out_bias"),  # [act(x @ dense)] @ out_proj
+    # Vision towers and the language model's image rows (`models/llava.py`).
+    "linear": ("weight", "bias"),  # x @ weight.T (+ bias): a patch embedding over unfolded patches
+    "rows": (),  # inputs x, rows: x[rows] (the features a tower's projector reads)
+    "merge_rows": (),  # inputs x, rows, values: x with x[rows] = values (image features into token embeddings)
     # Elementwise steps between nodes (`lowering.ELEMENTWISE_OPS`): no parameters.
     "add": (),  # inputs a, b: a + b (OLMo 2's residual stream)
     "scale": (),  # x * attrs["factor"] (Gemma's embedding scale, Granite's multipliers)
@@ -70,6 +74,9 @@ class Param:
     slices: tuple = ()
     pad_rows: int = 0
     zeros: bool = False
+    # The checkpoint tensor read in this shape (before `pad_rows`): a convolution kernel whose stride
+    # is its size as the weight of a linear over unfolded patches.
+    reshape: bool = False
 
     def __post_init__(self):
         if self.shard not in SHARDS:
@@ -112,6 +119,13 @@ class Graph:
     tp_rank: int = 0
     tp_size: int = 1
     partial: frozenset[str] = frozenset()
+    # A vision-language model: the encoder graph (tower and projector) whose output fills the
+    # language model's image rows, and the placeholder token those rows hold.
+    encoder: "Graph | None" = None
+    image_token_id: int | None = None
+    # An encoder graph: the name of its output (else logits / pooled), and what its inputs are made from.
+    output: str | None = None
+    encoder_inputs: dict = field(default_factory=dict)
 
     def kv_heads(self) -> int:
         """KV heads of this rank's attention (the model's, unless sharded)."""
@@ -124,9 +138,12 @@ class Graph:
         return name
 
     def add(self, op: str, name: str, inputs, outputs, params=None, layer=None, **attrs) -> Node:
-        node = Node(op, name, tuple(inputs), tuple(outputs), dict(params or {}), attrs, layer)
+        node = self.make_node(op, name, inputs, outputs, params, layer, **attrs)
         self.nodes.append(node)
         return node
+
+    def make_node(self, op: str, name: str, inputs, outputs, params=None, layer=None, **attrs) -> Node:
+        return Node(op, name, tuple(inputs), tuple(outputs), dict(params or {}), attrs, layer)
 
     def stage(self, first_layer: int, end_layer: int) -> Graph:
         """The nodes of layers [first_layer, end_layer), plus the embedding when

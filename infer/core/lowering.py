@@ -27,7 +27,7 @@ from typing import Any
 from .graph import Graph, Node
 
 ELEMENTWISE_OPS = ("add", "scale", "soft_cap")
-VIEW_OPS = ("split", "reshape", "rows", "vocab_ids", "mask_rows") + ELEMENTWISE_OPS
+VIEW_OPS = ("split", "reshape", "rows", "merge_rows", "vocab_ids", "mask_rows") + ELEMENTWISE_OPS
 TP_GROUP = "tp"  # the process group collectives of a tensor-parallel graph run on
 
 
@@ -366,6 +366,20 @@ def _gather_logits(g: Graph, n: Node) -> list[Call]:
     return calls
 
 
+def _linear(g: Graph, n: Node) -> list[Call]:
+    return [Call("linear", n.name, n.inputs, n.outputs, _pick(n.params, weight="weight", bias="bias"), {},
+                 (("T", g.params[n.params["weight"]].shape[0]),), n.layer)]
+
+
+def _rows(g: Graph, n: Node) -> list[Call]:
+    return [Call("rows", n.name, n.inputs, n.outputs, {}, {}, (("M", g.config.hidden_size),), n.layer)]
+
+
+def _merge_rows(g: Graph, n: Node) -> list[Call]:
+    """x[rows] = values, in x (a fresh embedding output); a step without images (rows None) passes x on."""
+    return [Call("merge_rows", n.name, n.inputs, n.outputs, {}, {}, (("T", g.config.hidden_size),), n.layer)]
+
+
 def _pick(params: dict[str, str], **roles: str) -> dict[str, str]:
     return {k: params[r] for k, r in roles.items() if r in params}
 
@@ -382,4 +396,7 @@ _EXPANSIONS = {
     "ffn": _ffn,
     "pool": _pool,
     "classifier": _classifier,
+    "linear": _linear,
+    "rows": _rows,
+    "merge_rows": _merge_rows,
 }

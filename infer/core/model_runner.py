@@ -72,13 +72,17 @@ class ModelRunner:
         # KV caches exist for these only, in this order.
         self.layers = sorted({n.layer for n in program.graph.nodes if n.op == "attention"})
         self.kv_groups = kv_groups or plan_kv_groups(dict.fromkeys(self.layers), hybrid=False)
+        self.encoder = None  # a VLM's `multimodal.VisionEncoder` (set by build_model)
         self.load_report: list[str] = []  # the loader's lines (`LazyWeights.report`), set by build_model
         self.kv_caches: list[Any] = []
         self.kv_tier = None  # the host tier's store (`allocate_kv_tier`), when the engine has one
         self.contexts: dict[int, LayerContext] = {}
         # The program's results: logits, or on a stage before the last what the next stage needs.
         ops_in_graph = {n.op for n in program.graph.nodes}
-        self.outputs = ("logits",) if "lm_head" in ops_in_graph else ("pooled",) if "pool" in ops_in_graph else CARRIED
+        self.outputs = ((program.graph.output,) if program.graph.output else ("logits",) if "lm_head" in ops_in_graph
+                        else ("pooled",) if "pool" in ops_in_graph else CARRIED)
+        # A VLM's language model: its image rows come with the step (`forward`'s `inputs`), or none.
+        self.merges_images = any(c.primitive == "merge_rows" for c in program.calls)
         self._node_ops = {n.name: n.op for n in program.graph.nodes}
         self.has_lora = any(c.primitive == "lora" for c in program.calls)  # LoRA stacks (`core/lora.py`)
         self._load_params(weights, progress)
@@ -161,6 +165,8 @@ class ModelRunner:
                 weights.note_dequantized(p.sources)
             parts = [handle]
         arr = np.concatenate([np.asarray(x) for x in parts]) if len(parts) > 1 else parts[0]
+        if p.reshape:
+            arr = np.asarray(arr).reshape((p.shape[0] - p.pad_rows,) + p.shape[1:])
         if p.offset:
             arr = np.asarray(arr, dtype=np.float32) + np.float32(p.offset)
         if p.pad_rows:
@@ -379,7 +385,8 @@ class ModelRunner:
         return self.ops.prepare_metadata(meta, **self.attention_key)
 
     def forward(self, input_ids, positions, sample_rows, meta: AttentionMetadata,
-                carry: dict[str, Any] | None = None, lora_indices=None, token_type_ids=None) -> ForwardOutput:
+                carry: dict[str, Any] | None = None, lora_indices=None, token_type_ids=None,
+                inputs: dict[str, Any] | None = None) -> ForwardOutput:
         """Logits [S, vocab] (float32) of the rows in `sample_rows`, and each MoE
         layer's tokens per expert; all inputs on the device. A pipeline stage after
         the first starts from `carry` (the previous stage's ``hidden`` and
@@ -387,13 +394,18 @@ class ModelRunner:
         `lora_indices` [T]: each token's LoRA adapter slot (0: none), for a program
         with `lora` calls. A pooling program returns ``pooled`` (float32, one row per
         sequence of `meta`) instead of logits; an encoder with token types reads
-        `token_type_ids` [T]."""
+        `token_type_ids` [T]. `inputs`: further named inputs (a VLM's ``mm_rows`` and
+        ``mm_embeds``, a vision tower's patches); an encoder graph returns its `Graph.output`
+        (in the model dtype) as `pooled`."""
         if not self._steps:
             raise RuntimeError("ModelRunner.forward before allocate_kv_caches")
         env = {"input_ids": input_ids, "positions": positions, "sample_rows": sample_rows, "meta": meta,
                "slot_mapping": meta.slot_mapping, "query_start_loc": meta.query_start_loc, **(carry or {})}
         if token_type_ids is not None:
             env["token_type_ids"] = token_type_ids
+        if self.merges_images:
+            env["mm_rows"] = env["mm_embeds"] = None
+        env.update(inputs or {})
         if len(meta.kv_groups or ()) != self.kv_groups.num_groups - 1:
             raise ValueError(f"the step's metadata has {1 + len(meta.kv_groups or ())} block tables; this model's "
                              f"hybrid KV cache has {self.kv_groups.num_groups} groups ({self.kv_groups.describe()})")
@@ -410,6 +422,8 @@ class ModelRunner:
         counts = {layer: env[name] for layer, name in self._count_outputs}
         if self.outputs is CARRIED:
             return ForwardOutput(None, counts, {name: env[name] for name in CARRIED})
+        if self.program.graph.output:
+            return ForwardOutput(None, counts, pooled=env[self.outputs[0]])
         if self.outputs == ("pooled",):
             return ForwardOutput(None, counts, pooled=self.backend.cast(env["pooled"], "float32"))
         return ForwardOutput(self.backend.cast(env["logits"], "float32"), counts)
@@ -468,6 +482,12 @@ def _bind_view(c: Call, dtype: str = "float32") -> Callable[[dict], None]:
             local = env[ins[0]] - start
             valid = (local >= 0) & (local < size)
             env[outs[0]], env[outs[1]] = local * valid, valid  # out-of-shard ids read row 0, masked next
+    elif c.primitive == "merge_rows":
+        def run(env):
+            x, rows = env[ins[0]], env[ins[1]]
+            if rows is not None:  # the embedding's output is this step's own: written in place
+                x[rows] = env[ins[2]]
+            env[outs[0]] = x
     elif c.primitive == "mask_rows":
         def run(env):
             env[outs[0]] = env[ins[0]] * env[ins[1]][:, None]

@@ -28,9 +28,28 @@ class InputProcessor:
     def __init__(self, tokenizer, no_tokenizer: str | None, vocab_size: int, max_model_len: int, structured):
         self.tokenizer, self.no_tokenizer, self.structured = tokenizer, no_tokenizer, structured
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.mm = None  # a VLM's `multimodal.MultiModalProcessor`
+        self.items: list = []  # the images of the prompt `tokenize` read last
 
-    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | dict, request_id: str = "") -> tuple[str | None, list[int]]:
+        self.items = []
         if isinstance(prompt, dict):
+            images = (prompt.get("multi_modal_data") or {})
+            unknown = set(images) - {"image"}
+            if unknown:
+                raise ValueError(f"request {request_id!r}: multi_modal_data has {sorted(unknown)}; only 'image' "
+                                 "inputs are supported")
+            images = images.get("image")
+            if images is not None:
+                if self.mm is None:
+                    raise ValueError(f"request {request_id!r} has images, but this is a text-only model")
+                if "prompt_token_ids" in prompt:
+                    raise ValueError(f"request {request_id!r}: give images with a text prompt (the processor "
+                                     "expands its placeholders), not prompt_token_ids")
+                text = prompt.get("prompt", "")
+                ids, self.items = self.mm.process(text, images if isinstance(images, (list, tuple)) else [images],
+                                                  f"request {request_id!r}")
+                return text, ids
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
             prompt = prompt.get("prompt", "")
@@ -43,7 +62,7 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams):
         """(text, token ids, params with max_tokens bounded, grammar Future or None); ValueError naming the problem."""
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, request_id)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -73,6 +73,8 @@ class Request:
                          are shared only between requests with the same salt.
     lora_request         the LoRA adapter (`core.lora.LoRARequest`) the request runs
                          with (None: the base model); part of its prefix-cache hashes.
+    mm_items             the images of the prompt (`multimodal.ImageItem`): their
+                         content hashes are part of the hashes of the blocks they touch.
     output_token_ids     generated tokens so far.
     num_computed_tokens  leading tokens of `all_token_ids` whose KV is in the
                          cache; the rest are computed in coming steps.
@@ -88,6 +90,7 @@ class Request:
     cache_salt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     lora_request: Any = None
+    mm_items: tuple = ()  # multimodal.ImageItem of the prompt's images, by placeholder offset
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -165,6 +168,7 @@ class Request:
             cache_salt=self.cache_salt,
             eos_token_ids=self.eos_token_ids,
             lora_request=self.lora_request,
+            mm_items=self.mm_items,
             output_token_ids=self.output_token_ids,
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,

@@ -36,6 +36,7 @@ def run(spec: dict) -> None:
         while True:
             method, call_args = dist.broadcast(None)
             if method == "stop":
+                dist.meet()
                 return
             getattr(worker, method)(*call_args)
     finally:

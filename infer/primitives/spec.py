@@ -41,7 +41,8 @@ act_and_mul(x, kind) -> [T, I]
 
 activation(x, kind) -> x's shape
     Elementwise, not gated: ``act(x)`` with kind 'gelu' (erf), 'gelu_tanh',
-    'silu', 'relu' or 'tanh' (an encoder's MLP, a classifier's pooler), in
+    'quick_gelu' (``x * sigmoid(1.702 x)``, CLIP's), 'silu', 'relu' or 'tanh'
+    (an encoder's MLP, a classifier's pooler, a vision tower), in
     float32, rounded once.
 
 kv_write(k, v, kv_cache, slot_mapping, scales=None) -> None
@@ -167,7 +168,7 @@ PRIMITIVES: tuple[str, ...] = (
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 # The kinds of the (ungated) `activation` primitive.
-PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "tanh")
+PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu", "tanh")
 POOL_METHODS = ("cls", "last", "mean", "max", "all")
 # The gated activations of `moe` (None means 'silu').
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")

@@ -220,7 +220,8 @@ def all_cases(block_size: int = 16) -> list[Case]:
     ])
     cases += _each_dtype("activation", [
         ("gelu", dict(kind="gelu")), ("gelu_tanh", dict(kind="gelu_tanh")), ("silu", dict(kind="silu")),
-        ("relu", dict(kind="relu")), ("tanh", dict(kind="tanh")), ("one_token", dict(t=1, kind="gelu")),
+        ("relu", dict(kind="relu")), ("tanh", dict(kind="tanh")), ("quick_gelu", dict(kind="quick_gelu")),
+        ("one_token", dict(t=1, kind="gelu")),
         ("empty_batch", dict(t=0, kind="gelu")),
     ])
     cases += _each_dtype("encoder_attention", [

@@ -69,6 +69,8 @@ def act(x: np.ndarray, kind: str) -> np.ndarray:
         return np.tanh(x)
     if kind == "silu":
         return x / (1.0 + np.exp(-x))
+    if kind == "quick_gelu":
+        return x / (1.0 + np.exp(-1.702 * x))
     if kind == "gelu":
         return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
     if kind == "gelu_tanh":

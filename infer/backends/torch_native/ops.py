@@ -125,7 +125,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 _PLAIN = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu,
-          "tanh": torch.tanh}
+          "tanh": torch.tanh, "quick_gelu": lambda x: (x.float() * torch.sigmoid(1.702 * x.float())).to(x.dtype)}
 
 
 def activation(x: torch.Tensor, kind: str) -> torch.Tensor:

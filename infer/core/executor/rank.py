@@ -23,7 +23,9 @@ from ..memory import trim_heap
 from ..kv_groups import plan_kv_groups
 from ..model_runner import CARRIED, ModelRunner
 from ..loader.pooling_config import read_pooling_config
+from ..models.llava import align_layout
 from ..models.pooling import POOLING_ARCHITECTURES, align_sources, build_pooling
+from ..multimodal import VisionEncoder
 from ..parallel import shard_graph
 
 
@@ -69,6 +71,11 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
         graph = build_pooling({**m.config, "infer_pooling": {"method": pooling.method}})
     else:
         graph = reg.models[m.architecture](m.config)
+    if graph.encoder is not None:
+        if dist is not None or a.enable_lora:
+            raise ValueError(f"{m.architecture}: vision-language models run on one rank without LoRA for now "
+                             "(tensor/pipeline parallelism and --enable-lora are for text models)")
+        align_layout(graph, m.weight_names)
     align_sources(graph, m.weight_names)  # a bare backbone saved without its class's prefix
     targets = lora_targets(graph) if a.enable_lora else {}
     if dist is not None:
@@ -96,6 +103,11 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
     runner = ModelRunner(program, backend, ops, weights, name, max_model_len, quantization=a.quantization,
                          kv_cache_dtype=a.kv_cache_dtype, groups={TP_GROUP: dist.tp_group} if dist else None,
                          kv_groups=kv_groups)
+    if graph.encoder is not None:  # the vision tower: its own program, the same checkpoint and backend
+        vision = ModelRunner(lower(graph.encoder, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs))), backend, ops,
+                             weights, name, graph.encoder.config.max_position_embeddings)
+        vision.allocate_kv_caches(0, 16)  # no cache: it binds the program
+        runner.encoder = VisionEncoder(vision, backend, name, a.encoder_cache_rows)
     weights.close()
     runner.load_report = weights.report()
     for line in runner.load_report:
@@ -140,8 +152,9 @@ def execute_step(runner: ModelRunner, step: StepInput, dist: DistributedState | 
         shape = (len(step.input_ids), runner.config.hidden_size)
         carry = dist.recv_carry(be, CARRIED, shape, runner.dtype)
     lora = None if step.lora_indices is None else be.asarray(step.lora_indices)
+    images = runner.encoder.step_inputs(step.images) if step.images else None
     out = runner.forward(be.asarray(step.input_ids), be.asarray(step.positions), be.asarray(step.sample_rows),
-                         runner.prepare_metadata(step.meta), carry, lora)
+                         runner.prepare_metadata(step.meta), carry, lora, inputs=images)
     if not staged:
         return out
     if not dist.is_last_stage:
