@@ -79,6 +79,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept in host memory (default: --max-loras)")
+    mm = p.add_argument_group("vision-language models (docs/multimodal.md)")
+    mm.add_argument("--limit-mm-per-prompt", type=_json_limits, default=None, metavar="JSON",
+                    help='the most images one prompt may hold, e.g. \'{"image": 2}\' (default: no limit)')
+    mm.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                    help="serve file:// image URLs under DIR (default: none)")
+    mm.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                    help="fetch http(s) image URLs from these hosts only (default: any)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: capture no decode graphs (CUDA graphs on the cuda backend)")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
@@ -98,6 +105,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                                                  "required with --nnodes > 1)")
 
 
+def _json_limits(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('give an object, e.g. {"image": 2}')
+    return value
+
+
 def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     names = ("model", "runner", "backend", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_gpu_blocks_override", "enable_prefix_caching",
@@ -106,8 +125,9 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
              "quantization", "kv_cache_dtype", "enforce_eager", "cuda_graph_sizes", "tensor_parallel_size",
              "pipeline_parallel_size", "data_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
              "master_addr", "master_port", "kv_offload_bytes", "kv_offload_path", "preemption_mode", "enable_lora",
-             "max_loras", "max_lora_rank", "max_cpu_loras")
-    lora = {"lora_modules": tuple(args.lora_modules or ())}
+             "max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt", "allowed_local_media_path")
+    lora = {"lora_modules": tuple(args.lora_modules or ()),
+            "allowed_media_domains": tuple(args.allowed_media_domains) if args.allowed_media_domains else None}
     return EngineArgs(**({n: getattr(args, n) for n in names} | lora | overrides))
 
 

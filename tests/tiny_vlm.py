@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import transformers
+from tokenizers import processors
 
 from tiny_pooling import word_tokenizer
 
@@ -18,6 +19,8 @@ CHAT_TEMPLATE = (
 
 def llava_tokenizer():
     tok = word_tokenizer("qwen")
+    # A chat model's tokenizer adds nothing around a sequence (the embedding models' one appends EOS).
+    tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.chat_template = CHAT_TEMPLATE
     return tok

@@ -90,6 +90,10 @@ class EngineArgs:
     # feature rows (vLLM sizes it by the token budget the same way).
     limit_mm_per_prompt: dict | None = None
     encoder_cache_rows: int = 16384
+    # Where chat image URLs may point: file:// paths under this directory (none by default),
+    # http(s) hosts in this list (None: any).
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple | None = None
     # Count which implementation served every call (`engine.dispatch_trace`, `infer run --trace-dispatch`).
     trace_dispatch: bool = False
     # Distributed serving (core/distributed.py, docs/distributed.md).

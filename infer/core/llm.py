@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..openmp import release_pool
 from .engine import EngineArgs, LLMEngine
 from .lora import LoRARequest
+from .multimodal import MediaConnector, chat_images
 from .pooling import PoolingEngine, PoolingOutput, PoolingParams, PoolingRequestOutput, is_pooling
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -155,18 +156,28 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations]
+        if self.engine.input.mm is None:
+            prompts = [{"prompt_token_ids": self.apply_chat_template(chat_images(c, None)[0], add_generation_prompt,
+                                                                     chat_template)} for c in conversations]
+            return self.generate(prompts, sampling_params, use_tqdm)
+        a = self.engine.args  # a VLM: image parts (image_url, image_pil) go to the processor with the text
+        media = MediaConnector(a.allowed_local_media_path, a.allowed_media_domains)
+        prompts = []
+        for c in conversations:
+            parts, images = chat_images(c, media)
+            text = self.apply_chat_template(parts, add_generation_prompt, chat_template, tokenize=False)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}, "add_special_tokens": False})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, tokenize: bool = True) -> list[int] | str:
         tok = self.engine.tokenizer
         template = chat_template or self.engine.chat_template
         if tok is None or template is None:
             raise ValueError("this model has no chat template (or no tokenizer); use generate() with a plain prompt")
-        ids = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
-                                      tokenize=True, return_dict=False)
-        return list(ids)
+        out = tok.apply_chat_template(conversation, chat_template=template, add_generation_prompt=add_generation_prompt,
+                                      tokenize=tokenize, return_dict=False)
+        return list(out) if tokenize else out
 
 
 def _failed(rid: str, prompt: Any, error: str) -> RequestOutput:

@@ -76,6 +76,8 @@ def load_image(data: bytes, where: str):
         img.load()
     except ValueError:
         raise
+    except Image.DecompressionBombError:
+        raise ValueError(f"{where}: the image has more pixels than the limit of {MAX_IMAGE_PIXELS}") from None
     except Exception as exc:  # noqa: BLE001 (PIL raises many kinds for a bad file)
         raise ValueError(f"{where}: the data is not a decodable image ({type(exc).__name__}: {exc})") from None
     return img
@@ -102,7 +104,9 @@ class MultiModalProcessor:
     def image_token(self) -> str:
         return self.processor.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
-    def process(self, text: str, images: Sequence[Any], where: str = "the prompt") -> tuple[list[int], list[ImageItem]]:
+    def process(self, text: str, images: Sequence[Any], where: str = "the prompt",
+                add_special_tokens: bool = True) -> tuple[list[int], list[ImageItem]]:
+        """`add_special_tokens` False for text a chat template rendered (it has its BOS already)."""
         from PIL import Image
 
         images = list(images)
@@ -117,9 +121,9 @@ class MultiModalProcessor:
             raise ValueError(f"{where} has {marks} image placeholders ({self.image_token!r}) but {len(images)} images "
                              "were given; put one placeholder where each image goes")
         if not images:
-            return list(self.processor.tokenizer(text).input_ids), []
+            return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), []
         images = [img.convert("RGB") if img.mode != "RGB" else img for img in images]
-        out = self.processor(text=[text], images=images, return_tensors="np")
+        out = self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=add_special_tokens)
         ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         return ids, self.items(ids, pixels, where)
@@ -222,3 +226,129 @@ class VisionEncoder:
             raise ValueError(f"the vision tower gives {per} rows per image, the prompt holds "
                              f"{[it.length for it in items]}")
         return [feats[k * per:(k + 1) * per] for k in range(count)]
+
+
+class MediaConnector:
+    """Images named by chat content parts: ``data:`` URLs, http(s) URLs (a timeout, a byte cap,
+    a redirect cap, `allowed_media_domains`), ``file://`` paths under `allowed_local_media_path`
+    only; vLLM's flags of the same names."""
+
+    def __init__(self, allowed_local_media_path: str | None = None, allowed_media_domains=None,
+                 timeout_s: float = 10.0, max_bytes: int = 20 * 2**20, max_redirects: int = 5):
+        import os
+
+        self.local = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
+        self.domains = {d.lower() for d in allowed_media_domains} if allowed_media_domains else None
+        self.timeout_s, self.max_bytes, self.max_redirects = timeout_s, max_bytes, max_redirects
+
+    def load(self, url: str, where: str):
+        import base64
+        import binascii
+
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"{where}: the image URL must be a non-empty string")
+        if url.startswith("data:"):
+            head, sep, body = url.partition(",")
+            if not sep or ";base64" not in head:
+                raise ValueError(f"{where}: a data URL must be base64 (data:image/png;base64,...)")
+            if len(body) * 3 // 4 > self.max_bytes:
+                raise ValueError(f"{where}: the image is larger than {self.max_bytes} bytes")
+            try:
+                data = base64.b64decode(body, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"{where}: the data URL is not valid base64") from None
+            return load_image(data, where)
+        if url.startswith("file://"):
+            return load_image(self._read_local(url[len("file://"):], where), where)
+        if url.startswith(("http://", "https://")):
+            return load_image(self._fetch(url, where), where)
+        raise ValueError(f"{where}: unsupported image URL scheme (use data:, http(s): or file:)")
+
+    def _read_local(self, path: str, where: str) -> bytes:
+        import os
+
+        if self.local is None:
+            raise ValueError(f"{where}: local files are not served; start with --allowed-local-media-path DIR")
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self.local]) != self.local:
+            raise ValueError(f"{where}: {path} is outside the allowed local media path")
+        if not os.path.isfile(real):
+            raise ValueError(f"{where}: no such file {path}")
+        if os.path.getsize(real) > self.max_bytes:
+            raise ValueError(f"{where}: the image is larger than {self.max_bytes} bytes")
+        with open(real, "rb") as f:
+            return f.read()
+
+    def _check_domain(self, url: str, where: str) -> None:
+        from urllib.parse import urlsplit
+
+        host = (urlsplit(url).hostname or "").lower()
+        if self.domains is not None and host not in self.domains:
+            raise ValueError(f"{where}: the domain {host!r} is not in --allowed-media-domains")
+
+    def _fetch(self, url: str, where: str) -> bytes:
+        import urllib.error
+        import urllib.request
+
+        self._check_domain(url, where)
+        connector = self
+
+        class Redirects(urllib.request.HTTPRedirectHandler):
+            max_redirections = self.max_redirects
+
+            def redirect_request(self, req, fp, code, msg, headers, newurl):
+                connector._check_domain(newurl, where)
+                return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+        opener = urllib.request.build_opener(Redirects)
+        try:
+            with opener.open(urllib.request.Request(url, headers={"User-Agent": "infer"}), timeout=self.timeout_s) as r:
+                data = r.read(self.max_bytes + 1)
+        except ValueError:
+            raise
+        except urllib.error.HTTPError as exc:
+            raise ValueError(f"{where}: fetching the image failed: HTTP {exc.code}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ValueError(f"{where}: fetching the image failed ({reason}; timeout {self.timeout_s:g} s)") from None
+        if len(data) > self.max_bytes:
+            raise ValueError(f"{where}: the image is larger than {self.max_bytes} bytes")
+        return data
+
+
+def chat_images(messages: Sequence[dict], media: MediaConnector | None) -> tuple[list[dict], list[Any]]:
+    """Chat messages with their image parts replaced by ``{"type": "image"}`` (what VLM chat templates
+    read), and the images in order. Parts: ``text``, ``image_url`` ({"url": ...} or a string), and
+    offline ``image_pil`` (a PIL image); `media` None: the caller serves no images."""
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, list):
+            out.append(dict(msg))
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}: a text part needs a string 'text'")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "image_pil", "image"):
+                if media is None:
+                    raise ValueError(f"{where}: this model takes no images (a text-only model)")
+                if kind == "image_url":
+                    ref = part.get("image_url")
+                    images.append(media.load(ref.get("url") if isinstance(ref, dict) else ref, where))
+                else:
+                    img = part.get(kind)
+                    if img is None or isinstance(img, str):
+                        images.append(media.load(img, where))
+                    else:
+                        images.append(img)
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(f"{where}: content parts of type {kind!r} are not supported (text, image_url)")
+        # A text model's template reads a string; a VLM's reads the parts.
+        out.append({**msg, "content": parts if media is not None else "\n".join(p["text"] for p in parts)})
+    return out, images

@@ -32,7 +32,20 @@ class InputProcessor:
         self.items: list = []  # the images of the prompt `tokenize` read last
 
     def tokenize(self, prompt: str | dict, request_id: str = "") -> tuple[str | None, list[int]]:
+        """A prompt's text and ids: a string, {"prompt": str}, {"prompt_token_ids": [...]}; for a VLM
+        {"prompt": str, "multi_modal_data": {"image": image or [images]}} (``add_special_tokens``:
+        False for chat-template text), or ids already processed with their `multimodal.ImageItem`s
+        (``multi_modal_items``, what the server's tokenizer thread makes). Images go to `items`."""
         self.items = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_items"):
+            if self.mm is None:
+                raise ValueError(f"request {request_id!r} has images, but this is a text-only model")
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            self.items = list(prompt["multi_modal_items"])
+            if any(it.end > len(ids) or any(ids[i] != self.mm.image_token_id for i in (it.offset, it.end - 1))
+                   for it in self.items):
+                raise ValueError(f"request {request_id!r}: an image item does not sit on its placeholder tokens")
+            return prompt.get("prompt"), ids
         if isinstance(prompt, dict):
             images = (prompt.get("multi_modal_data") or {})
             unknown = set(images) - {"image"}
@@ -48,7 +61,7 @@ class InputProcessor:
                                      "expands its placeholders), not prompt_token_ids")
                 text = prompt.get("prompt", "")
                 ids, self.items = self.mm.process(text, images if isinstance(images, (list, tuple)) else [images],
-                                                  f"request {request_id!r}")
+                                                  f"request {request_id!r}", prompt.get("add_special_tokens", True))
                 return text, ids
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
@@ -63,6 +76,9 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams):
         """(text, token ids, params with max_tokens bounded, grammar Future or None); ValueError naming the problem."""
         text, ids = self.tokenize(prompt, request_id)
+        if self.mm is not None and not self.items and self.mm.image_token_id in ids:
+            raise ValueError(f"request {request_id!r}: the prompt holds image placeholder tokens but no image "
+                             "was given (multi_modal_data={'image': ...})")
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

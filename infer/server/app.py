@@ -68,7 +68,7 @@ def create_app(models: ModelRegistry, metrics: Metrics, api_keys: list[str] | No
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
             messages = [m.for_template() for m in body.messages]
-            ids = await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt)
+            ids = (await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt))["prompt_token_ids"]
         else:
             ids = await model.off_loop(model.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}

@@ -26,9 +26,9 @@ async def create_chat_completion(body: ChatCompletionRequest, model: ServedModel
     mode, grammar, messages, tools = _tool_plan(body, model)
     if grammar is not None:
         params = dataclasses.replace(params, structured_outputs=grammar)
-    ids = await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt, tools)
+    prompt = await model.off_loop(model.chat_prompt, messages, body.add_generation_prompt, tools)
     gen = Generation(model, f"chatcmpl-{uuid.uuid4().hex}", params, body.priority)
-    await gen.start([{"prompt_token_ids": ids}])
+    await gen.start([prompt])
     if body.stream:
         return GenerationStream(gen, _stream(gen, body, model, mode))
     result = await until_disconnected(raw, lambda: _collect(gen, body, model, mode))

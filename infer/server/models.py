@@ -12,6 +12,7 @@ from typing import Any, Callable, TypeVar
 
 from ..core.async_engine import AsyncLLM
 from ..core.engine import LLMEngine
+from ..core.multimodal import MediaConnector, MultiModalProcessor, chat_images
 from .errors import APIError
 
 T = TypeVar("T")
@@ -48,6 +49,10 @@ class ServedModel:
         # copy is not for concurrent use), off the event loop: a long prompt does not stall
         # every other request and /health.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-tokenizer-{self.name}")
+        # A VLM: image URLs loaded and preprocessed on that thread, by a processor of its own.
+        mm, a = self.llm.engine.input.mm, self.llm.engine.args
+        self.media = MediaConnector(a.allowed_local_media_path, a.allowed_media_domains) if mm is not None else None
+        self._mm = MultiModalProcessor(mm.source, mm.image_token_id, mm.rows_per_image, mm.limit) if mm else None
 
     async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) on the model's tokenizer thread."""
@@ -106,20 +111,33 @@ class ServedModel:
         return list(self.tokenizer("tokenize")(text, **kwargs).input_ids)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation under the model's chat template (`tools` go to a template that reads them)."""
-        self.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)),
-                               "messages")
+                    tools: list[dict] | None = None) -> dict[str, Any]:
+        """The engine prompt of a conversation under the model's chat template (`tools` go to a
+        template that reads them): token ids, and for a VLM the images of its content parts,
+        fetched and preprocessed here (the tokenizer thread)."""
+        try:
+            messages, images = chat_images(messages, self.media)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        self.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) +
+                               sum(len(p.get("text", "")) for m in messages if isinstance(m.get("content"), list)
+                                   for p in m["content"]), "messages")
         tok = self.tokenizer("apply a chat template")
         template = self.engine.chat_template
         if template is None:
             raise APIError(400, f"model '{self.name}' has no chat template; use /v1/completions", "messages")
         try:
-            ids = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True, return_dict=False, tools=tools)
+            out = tok.apply_chat_template(messages, chat_template=template, add_generation_prompt=add_generation_prompt,
+                                          tokenize=self.media is None, return_dict=False, tools=tools)
         except Exception as exc:  # jinja raises on conversations the template forbids (role order, ...)
             raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-        return [int(t) for t in ids]
+        if self.media is None:
+            return {"prompt_token_ids": [int(t) for t in out]}
+        try:
+            ids, items = self._mm.process(out, images, "messages", add_special_tokens=False)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), "messages") from None
+        return {"prompt_token_ids": ids, "multi_modal_items": items}
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "infer",

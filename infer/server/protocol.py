@@ -251,15 +251,9 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def for_template(self) -> dict[str, Any]:
+        """The message as the template reads it; content parts stay a list (text and images:
+        `ServedModel.chat_prompt` joins a text model's, loads a VLM's images)."""
         msg = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            texts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"content parts of type {part.get('type')!r} are not supported; send text",
-                                   "messages")
-                texts.append(part["text"])
-            msg["content"] = "\n".join(texts)
         msg.setdefault("content", "")
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
