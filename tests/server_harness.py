@@ -56,8 +56,9 @@ def make_tiny_model_dir(path: Path, seed: int = 0, max_positions: int = 256) -> 
 class Server:
     """`infer serve ...` as a child process; `url` once it listens."""
 
-    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 120.0):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    def __init__(self, args: list[str], api_key: str | None = None, timeout: float = 120.0,
+                 env: dict[str, str] | None = None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         cmd = [sys.executable, "-m", "infer.cli", "serve", "--port", "0", "--uvicorn-log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]

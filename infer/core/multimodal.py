@@ -234,9 +234,12 @@ class MediaConnector:
     only; vLLM's flags of the same names."""
 
     def __init__(self, allowed_local_media_path: str | None = None, allowed_media_domains=None,
-                 timeout_s: float = 10.0, max_bytes: int = 20 * 2**20, max_redirects: int = 5):
+                 timeout_s: float | None = None, max_bytes: int | None = None, max_redirects: int = 5):
+        """Defaults: $INFER_IMAGE_FETCH_TIMEOUT seconds (5, vLLM's), $INFER_MAX_IMAGE_BYTES (20 MiB)."""
         import os
 
+        timeout_s = float(os.environ.get("INFER_IMAGE_FETCH_TIMEOUT", 5)) if timeout_s is None else timeout_s
+        max_bytes = int(os.environ.get("INFER_MAX_IMAGE_BYTES", 20 * 2**20)) if max_bytes is None else max_bytes
         self.local = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
         self.domains = {d.lower() for d in allowed_media_domains} if allowed_media_domains else None
         self.timeout_s, self.max_bytes, self.max_redirects = timeout_s, max_bytes, max_redirects
