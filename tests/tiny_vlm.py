@@ -35,21 +35,22 @@ def _randomize(model):
 
 
 def save_llava(path: str, tower: str = "clip", image_size: int = 32, patch_size: int = 8,
-               feature_layer: int = -2, strategy: str = "default") -> str:
-    """A LLaVA-1.5-shaped model: a CLIP (or SigLIP) tower, the two-layer GELU projector, a Llama LM."""
+               feature_layer: int = -2, strategy: str = "default", vision_kw: dict | None = None,
+               text_kw: dict | None = None) -> str:
+    """A LLaVA-1.5-shaped model: a CLIP (or SigLIP) tower, the two-layer GELU projector, a Llama LM
+    (tiny sizes unless `vision_kw` / `text_kw` say otherwise)."""
+    vsize = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4) | (vision_kw or {})
+    tsize = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2) | (text_kw or {})
     tok = llava_tokenizer()
     if tower == "clip":
-        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                               num_attention_heads=4, image_size=image_size, patch_size=patch_size,
-                                               projection_dim=32)
+        vision = transformers.CLIPVisionConfig(image_size=image_size, patch_size=patch_size, projection_dim=32, **vsize)
         images = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
                                                  crop_size={"height": image_size, "width": image_size})
     else:
-        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                                 num_attention_heads=4, image_size=image_size, patch_size=patch_size)
+        vision = transformers.SiglipVisionConfig(image_size=image_size, patch_size=patch_size, **vsize)
         images = transformers.SiglipImageProcessor(size={"height": image_size, "width": image_size})
-    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+    text = transformers.LlamaConfig(**tsize, vocab_size=len(tok),
                                     max_position_embeddings=512, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                                     bos_token_id=None, pad_token_id=tok.pad_token_id)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text,
