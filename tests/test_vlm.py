@@ -210,3 +210,20 @@ def test_decompression_bomb_is_refused_before_decoding():
     assert 8000 * 8000 > MAX_IMAGE_PIXELS
     with pytest.raises(ValueError, match=f"limit of {MAX_IMAGE_PIXELS}"):
         load_image(bytes(data), "part")
+
+
+def test_both_programs_export_to_onnx(llava):
+    """The language model (its image rows as ScatterND) and the vision tower pass onnx's full check."""
+    pytest.importorskip("onnx")
+    import json
+    from pathlib import Path
+
+    from infer.core.lowering import lower
+    from infer.core.models.llava import build_llava
+    from infer.core.onnx_export import to_onnx
+
+    graph = build_llava(json.loads((Path(llava) / "config.json").read_text()))
+    lm, tower = to_onnx(lower(graph)), to_onnx(lower(graph.encoder))
+    assert "ScatterND" in {n.op_type for n in lm.graph.node}
+    assert {i.name for i in tower.graph.input} >= {"patches", "class_ids", "feature_rows"}
+    assert tower.graph.output[0].name.startswith("image_embeds")

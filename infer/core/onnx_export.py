@@ -44,6 +44,14 @@ def to_onnx(program: Program, block_size: int = 16):
                         ("slot_mapping", ["T"]), ("token_type_ids", ["T"])):
         inputs.append(tensor(name, TensorProto.INT64, shape))
         version[name] = 0
+    if any(c.primitive == "merge_rows" for c in program.calls):  # a VLM: the image rows and their features
+        inputs += [tensor("mm_rows", TensorProto.INT64, ["M"]), tensor("mm_embeds", dtype, ["M", cfg.hidden_size])]
+        version["mm_rows"] = version["mm_embeds"] = 0
+    if g.output:  # a vision tower: its patches, class-row ids and the rows its projector reads
+        width = g.params["patch_embed"].shape[1]
+        inputs += [tensor("patches", dtype, ["T", width]), tensor("class_ids", TensorProto.INT64, ["T"]),
+                   tensor("feature_rows", TensorProto.INT64, ["M"])]
+        version["patches"] = version["class_ids"] = version["feature_rows"] = 0
     for p in g.params.values():
         inputs.append(tensor(p.name, dtype, list(p.shape)))
     meta = ["query_start_loc", "seq_lens", "block_table", "slot_mapping"]
@@ -76,6 +84,11 @@ def to_onnx(program: Program, block_size: int = 16):
             nodes.append(helper.make_node("Reshape", args + [shape], [write(o) for o in c.outputs]))
         elif c.primitive == "rows":
             nodes.append(helper.make_node("Gather", args, [write(o) for o in c.outputs], axis=0))
+        elif c.primitive == "merge_rows":  # x[rows] = values
+            axes = f"axes.{i}"
+            inits.append(helper.make_tensor(axes, TensorProto.INT64, [1], [1]))
+            nodes.append(helper.make_node("Unsqueeze", [args[1], axes], [f"merge_index.{i}"]))
+            nodes.append(helper.make_node("ScatterND", [args[0], f"merge_index.{i}", args[2]], [write(c.outputs[0])]))
         elif c.primitive == "add":
             nodes.append(helper.make_node("Add", args, [write(o) for o in c.outputs]))
         elif c.primitive in ("scale", "soft_cap"):
@@ -103,6 +116,7 @@ def to_onnx(program: Program, block_size: int = 16):
                                           domain=DOMAIN, **attrs))
     pooled = next((c for c in reversed(calls) if "pooled" in c.outputs), None)  # a pooling model's result
     output = (tensor(read("pooled"), dtype, list(pooled.shapes[pooled.outputs.index("pooled")])) if pooled
+              else tensor(read(g.output), dtype, ["M", g.params["projector.down_proj"].shape[0]]) if g.output
               else tensor(read("logits"), dtype, ["S", cfg.vocab_size]))
     graph = helper.make_graph(nodes, f"infer_{g.architecture}", inputs, [output], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],

@@ -50,7 +50,7 @@ class ServedModel:
         # every other request and /health.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-tokenizer-{self.name}")
         # A VLM: image URLs loaded and preprocessed on that thread, by a processor of its own.
-        mm, a = self.llm.engine.input.mm, self.llm.engine.args
+        mm, a = getattr(getattr(self.llm.engine, "input", None), "mm", None), self.llm.engine.args
         self.media = MediaConnector(a.allowed_local_media_path, a.allowed_media_domains) if mm is not None else None
         self._mm = MultiModalProcessor(mm.source, mm.image_token_id, mm.rows_per_image, mm.limit) if mm else None
 

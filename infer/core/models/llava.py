@@ -30,10 +30,11 @@ from typing import Iterable
 
 from ..graph import Graph
 from .config import ModelConfig
+from .llama import build_llama
 
 VLM_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
-# The causal LM class of each text model_type a LLaVA checkpoint names.
+# The causal LM class of each text model_type a LLaVA checkpoint names (all of the Llama family's builder).
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "granite": "GraniteForCausalLM"}
 _VISION_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -61,11 +62,8 @@ def text_config(config: dict) -> dict:
 
 def build_llava(config: dict) -> Graph:
     """The language model (`Graph.encoder`: the vision tower and projector)."""
-    from ..models import model_builders
-
     text = text_config(config)
-    arch = text["architectures"][0]
-    graph = model_builders()[arch](text)
+    graph = build_llama(text)
     for p in graph.params.values():  # the decoder's names under LLaVA's prefix
         p.sources = tuple(("language_model." + s) if s.startswith(("model.", "lm_head.")) else s for s in p.sources)
     insert_merge(graph)
