@@ -164,11 +164,11 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r} but the "
                                  "engine runs without LoRA; start it with enable_lora=True (--enable-lora)")
             self.lora.register(lora_request)  # read and checked now: a bad adapter fails this request
-        text, ids, params, grammar = self.input.process(request_id, prompt, params or SamplingParams())
+        text, ids, items, params, grammar = self.input.process(request_id, prompt, params or SamplingParams())
         state = RequestState(request_id, text, ids, params, pending_forks=params.n - 1,
                              arrival_time=arrival_time or time.time())
         req = Request(SeqId(request_id, 0), ids, params, state.arrival_time, priority, cache_salt,
-                      eos_token_ids=self.eos_token_ids, lora_request=lora_request, mm_items=tuple(self.input.items))
+                      eos_token_ids=self.eos_token_ids, lora_request=lora_request, mm_items=tuple(items))
         self.output.states[request_id] = state
         if lora_request is not None:  # held in host memory until the request ends
             self.lora.acquire(lora_request)
@@ -279,7 +279,8 @@ class LLMEngine:
         mi = out.model_input()
         plan = self._plan(out, mi)
         step = StepInput(mi.input_ids, mi.positions, mi.logits_indices, mi.attn_metadata, tuple(out.block_copies),
-                         tuple(out.tier_ops), self._lora_indices(out), step_images(out.scheduled))
+                         tuple(out.tier_ops), self._lora_indices(out),
+                         step_images(out.scheduled) if self.input.mm is not None else ())
         return _Launched(out, plan, self.executor.execute_model(step, plan.sampling, non_block))
 
     def _plan(self, out: SchedulerOutput, mi) -> _Plan:

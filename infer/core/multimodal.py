@@ -160,8 +160,8 @@ def step_images(scheduled) -> tuple[ImageSlice, ...]:
 class VisionEncoder:
     """The vision graph's runner, and its outputs by image hash (host float32 rows, LRU)."""
 
-    def __init__(self, runner, backend, dtype: str, capacity_rows: int = 16384):
-        self.runner, self.backend, self.dtype = runner, backend, dtype
+    def __init__(self, runner, capacity_rows: int = 16384):
+        self.runner, self.backend, self.dtype = runner, runner.backend, runner.dtype
         self.spec = runner.program.graph.encoder_inputs
         self.capacity = capacity_rows
         self.cache: OrderedDict[bytes, np.ndarray] = OrderedDict()

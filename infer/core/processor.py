@@ -29,23 +29,21 @@ class InputProcessor:
         self.tokenizer, self.no_tokenizer, self.structured = tokenizer, no_tokenizer, structured
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.mm = None  # a VLM's `multimodal.MultiModalProcessor`
-        self.items: list = []  # the images of the prompt `tokenize` read last
 
-    def tokenize(self, prompt: str | dict, request_id: str = "") -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | dict, request_id: str = "") -> tuple[str | None, list[int], list]:
         """A prompt's text and ids: a string, {"prompt": str}, {"prompt_token_ids": [...]}; for a VLM
         {"prompt": str, "multi_modal_data": {"image": image or [images]}} (``add_special_tokens``:
         False for chat-template text), or ids already processed with their `multimodal.ImageItem`s
-        (``multi_modal_items``, what the server's tokenizer thread makes). Images go to `items`."""
-        self.items = []
+        (``multi_modal_items``, what the server's tokenizer thread makes). Returns (text, ids, image items)."""
         if isinstance(prompt, dict) and prompt.get("multi_modal_items"):
             if self.mm is None:
                 raise ValueError(f"request {request_id!r} has images, but this is a text-only model")
             ids = [int(t) for t in prompt["prompt_token_ids"]]
-            self.items = list(prompt["multi_modal_items"])
+            items = list(prompt["multi_modal_items"])
             if any(it.end > len(ids) or any(ids[i] != self.mm.image_token_id for i in (it.offset, it.end - 1))
-                   for it in self.items):
+                   for it in items):
                 raise ValueError(f"request {request_id!r}: an image item does not sit on its placeholder tokens")
-            return prompt.get("prompt"), ids
+            return prompt.get("prompt"), ids, items
         if isinstance(prompt, dict):
             images = (prompt.get("multi_modal_data") or {})
             unknown = set(images) - {"image"}
@@ -60,23 +58,24 @@ class InputProcessor:
                     raise ValueError(f"request {request_id!r}: give images with a text prompt (the processor "
                                      "expands its placeholders), not prompt_token_ids")
                 text = prompt.get("prompt", "")
-                ids, self.items = self.mm.process(text, images if isinstance(images, (list, tuple)) else [images],
-                                                  f"request {request_id!r}", prompt.get("add_special_tokens", True))
-                return text, ids
+                ids, items = self.mm.process(text, images if isinstance(images, (list, tuple)) else [images],
+                                             f"request {request_id!r}", prompt.get("add_special_tokens", True))
+                return text, ids, items
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]], []
             prompt = prompt.get("prompt", "")
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError(f"a text prompt needs the tokenizer, but {self.no_tokenizer}: pass "
                              "{'prompt_token_ids': [...]} instead")
-        return prompt, list(self.tokenizer(prompt).input_ids)
+        return prompt, list(self.tokenizer(prompt).input_ids), []
 
     def process(self, request_id: str, prompt: str | dict, params: SamplingParams):
-        """(text, token ids, params with max_tokens bounded, grammar Future or None); ValueError naming the problem."""
-        text, ids = self.tokenize(prompt, request_id)
-        if self.mm is not None and not self.items and self.mm.image_token_id in ids:
+        """(text, token ids, image items, params with max_tokens bounded, grammar Future or None); ValueError
+        naming the problem."""
+        text, ids, items = self.tokenize(prompt, request_id)
+        if self.mm is not None and not items and self.mm.image_token_id in ids:
             raise ValueError(f"request {request_id!r}: the prompt holds image placeholder tokens but no image "
                              "was given (multi_modal_data={'image': ...})")
         if not ids:
@@ -95,7 +94,7 @@ class InputProcessor:
         failure = compile_failure(grammar) if grammar is not None and grammar.done() else None
         if failure is not None:
             raise ValueError(f"request {request_id!r}: {failure}")
-        return text, ids, params, grammar
+        return text, ids, items, params, grammar
 
     def _check_params(self, request_id: str, p: SamplingParams) -> None:
         # Checked here, not in the sampler: an out-of-vocabulary id would fail the

@@ -107,7 +107,7 @@ def build_model(a: EngineArgs, backend, ops: Ops, dist: DistributedState | None,
         vision = ModelRunner(lower(graph.encoder, fuses=lambda op, attrs: bool(ops.fuses(op, **attrs))), backend, ops,
                              weights, name, graph.encoder.config.max_position_embeddings)
         vision.allocate_kv_caches(0, 16)  # no cache: it binds the program
-        runner.encoder = VisionEncoder(vision, backend, name, a.encoder_cache_rows)
+        runner.encoder = VisionEncoder(vision, a.encoder_cache_rows)
     weights.close()
     runner.load_report = weights.report()
     for line in runner.load_report:

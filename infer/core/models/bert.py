@@ -69,13 +69,13 @@ def build_encoder(config: dict) -> tuple[Graph, ModelConfig]:
         table = g.param("token_type_embeddings", (types, h), f"{emb}.token_type_embeddings.weight")
         g.add("embedding", "embed.token_types", ["token_type_ids"], ["type_embeds"], {"table": table})
         g.add("add", "embed.add_token_types", ["hidden", "type_embeds"], ["hidden"])
-    _layer_norm(g, "embed.norm", f"{emb}.LayerNorm", h, ["hidden"], ["hidden"], eps)
+    layer_norm_node(g, "embed.norm", f"{emb}.LayerNorm", h, ["hidden"], ["hidden"], eps)
     for i in range(cfg.num_layers):
         _encoder_layer(g, cfg, i, f"{p}encoder.layer.{i}")
     return g, cfg
 
 
-def _layer_norm(g: Graph, name: str, source: str, h: int, ins, outs, eps: float, layer: int | None = None) -> None:
+def layer_norm_node(g: Graph, name: str, source: str, h: int, ins, outs, eps: float, layer: int | None = None) -> None:
     w = g.param(f"{name}.weight", (h,), f"{source}.weight")
     b = g.param(f"{name}.bias", (h,), f"{source}.bias")
     g.add("layer_norm", name, ins, outs, {"weight": w, "bias": b}, layer=layer, eps=eps)
@@ -95,7 +95,7 @@ def _encoder_layer(g: Graph, cfg: ModelConfig, i: int, src: str) -> None:
     g.add("encoder_attention", f"{n}.attention", ["hidden"], ["attn_out"], attn, layer=i, num_heads=cfg.num_heads,
           num_kv_heads=cfg.num_kv_heads, head_dim=d, scale=d**-0.5)
     # Post-LN: the sum is normalised and becomes the stream (the unnormalised sum is dropped).
-    _layer_norm(g, f"{n}.attention.norm", f"{src}.attention.output.LayerNorm", h, ["attn_out", "hidden"],
+    layer_norm_node(g, f"{n}.attention.norm", f"{src}.attention.output.LayerNorm", h, ["attn_out", "hidden"],
                 ["hidden", f"{n}.attention.sum"], eps, i)
     inter = cfg.intermediate_size
     ffn = {
@@ -105,5 +105,5 @@ def _encoder_layer(g: Graph, cfg: ModelConfig, i: int, src: str) -> None:
         "down_bias": g.param(f"{n}.down_bias", (h,), f"{src}.output.dense.bias"),
     }
     g.add("ffn", f"{n}.ffn", ["hidden"], ["ffn_out"], ffn, layer=i, act=cfg.hidden_act)
-    _layer_norm(g, f"{n}.ffn.norm", f"{src}.output.LayerNorm", h, ["ffn_out", "hidden"], ["hidden", f"{n}.ffn.sum"],
+    layer_norm_node(g, f"{n}.ffn.norm", f"{src}.output.LayerNorm", h, ["ffn_out", "hidden"], ["hidden", f"{n}.ffn.sum"],
                 eps, i)

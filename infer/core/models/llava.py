@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..graph import Graph
+from .bert import layer_norm_node
 from .config import ModelConfig
 from .llama import build_llama
 
@@ -136,11 +137,11 @@ def build_llava_vision(config: dict, text_hidden: int) -> Graph:
     g.add("embedding", "embed.positions", ["positions"], ["position_embeds"], {"table": pos})
     g.add("add", "embed.add_positions", ["hidden", "position_embeds"], ["hidden"])
     if kind == "clip":
-        _layer_norm(g, "embed.norm", v + "pre_layrnorm", h, ["hidden"], ["hidden"], eps)
+        layer_norm_node(g, "embed.norm", v + "pre_layrnorm", h, ["hidden"], ["hidden"], eps)
     for i in range(layers):
         src, n = f"{v}encoder.layers.{i}.", f"layers.{i}"
         ins = ["hidden"] if i == 0 else ["ffn_out", "hidden"]
-        _layer_norm(g, f"{n}.norm1", src + "layer_norm1", h, ins, ["normed"] if i == 0 else ["normed", "hidden"], eps, i)
+        layer_norm_node(g, f"{n}.norm1", src + "layer_norm1", h, ins, ["normed"] if i == 0 else ["normed", "hidden"], eps, i)
         qkv = tuple(f"{src}self_attn.{x}_proj" for x in "qkv")
         attn = {"qkv_proj": g.param(f"{n}.qkv_proj", (3 * h, h), tuple(s + ".weight" for s in qkv), parts=(h, h, h)),
                 "qkv_bias": g.param(f"{n}.qkv_bias", (3 * h,), tuple(s + ".bias" for s in qkv), parts=(h, h, h)),
@@ -148,7 +149,7 @@ def build_llava_vision(config: dict, text_hidden: int) -> Graph:
                 "o_bias": g.param(f"{n}.o_bias", (h,), src + "self_attn.out_proj.bias")}
         g.add("encoder_attention", f"{n}.attention", ["normed"], ["attn_out"], attn, layer=i, num_heads=heads,
               num_kv_heads=heads, head_dim=h // heads, scale=(h // heads) ** -0.5)
-        _layer_norm(g, f"{n}.norm2", src + "layer_norm2", h, ["attn_out", "hidden"], ["normed", "hidden"], eps, i)
+        layer_norm_node(g, f"{n}.norm2", src + "layer_norm2", h, ["attn_out", "hidden"], ["normed", "hidden"], eps, i)
         inter = cfg.intermediate_size
         ffn = {"up_proj": g.param(f"{n}.up_proj", (inter, h), src + "mlp.fc1.weight"),
                "up_bias": g.param(f"{n}.up_bias", (inter,), src + "mlp.fc1.bias"),
@@ -168,12 +169,6 @@ def build_llava_vision(config: dict, text_hidden: int) -> Graph:
             "down_bias": g.param("projector.down_bias", (text_hidden,), pr + "linear_2.bias")}
     g.add("ffn", "projector", ["features"], ["image_embeds"], proj, act=_VISION_ACTS[pa])
     return g
-
-
-def _layer_norm(g: Graph, name: str, source: str, h: int, ins, outs, eps: float, layer: int | None = None) -> None:
-    w = g.param(f"{name}.weight", (h,), f"{source}.weight")
-    b = g.param(f"{name}.bias", (h,), f"{source}.bias")
-    g.add("layer_norm", name, ins, outs, {"weight": w, "bias": b}, layer=layer, eps=eps)
 
 
 def align_layout(graph: Graph, names: Iterable[str]) -> None:
